@@ -1,0 +1,320 @@
+"""The caller interface and the fork-per-request caller.
+
+Call protocol of an :class:`AsyncCaller` (every method runs in the trainer process):
+
+1. ``schedule_async_call(request)`` on every rank, in the same order. When it returns the
+   request's content is fixed (snapshot taken) and the write is under way.
+2. ``local_status(call_idx)`` (non-blocking) or ``wait_local(call_idx, timeout)``: this
+   rank's view of one call: running, done, or failed with an exception.
+3. Cross-rank agreement (:func:`agree_on_call`) turns the local views into one decision on
+   every rank; the queue then runs the finalize functions, or raises on every rank.
+4. ``close(abort)`` ends the background process(es); ``abort`` drops pending calls.
+
+:class:`TemporalAsyncCaller` (deprecated in NVRx, kept for compatibility) forks one child
+per request. The fork itself is the snapshot of CPU memory (copy-on-write); CUDA tensors
+must be moved to the host by ``preload_fn`` first, which runs in the trainer before the
+fork. The child's exit code is checked and its exception, if any, is sent back as a value.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from .._logging import get_logger
+from ..config import Timeouts, default_timeouts
+from ..errors import (
+    AsyncCallFailedError,
+    CheckpointTimeoutError,
+    InvalidRequestError,
+    RemoteTraceback,
+    WorkerDiedError,
+    WorkerError,
+)
+from . import _completion
+from ._completion import State
+from ._messages import RemoteFailure
+from ._proc import arm_parent_death_signal
+from ._request import AsyncRequest, checked_preload
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class LocalStatus:
+    state: State
+    error: BaseException | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def exit_description(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "no exit code"
+    if exitcode < 0:
+        try:
+            return f"exit code {exitcode} (killed by {signal.Signals(-exitcode).name})"
+        except ValueError:
+            return f"exit code {exitcode}"
+    return f"exit code {exitcode}"
+
+
+def failure_error(rank: int, call_idx: int, failure: RemoteFailure) -> AsyncCallFailedError:
+    err = AsyncCallFailedError(
+        f"rank {rank}: async request {call_idx} failed in the background: "
+        f"{failure.exc_type}: {failure.message}",
+        call_idx=call_idx,
+        failed_ranks=(rank,),
+    )
+    err.__cause__ = RemoteTraceback(failure.traceback)
+    return err
+
+
+class AsyncCaller(ABC):
+    """Runs requests in the background for one rank; see the module docstring."""
+
+    def __init__(self, timeouts: Timeouts | None = None) -> None:
+        self.timeouts = timeouts or default_timeouts()
+        self.rank: int | None = None
+        self.start_time: float | None = None
+        self._unfinalized: list[int] = []
+
+    @abstractmethod
+    def schedule_async_call(self, async_req: AsyncRequest) -> None: ...
+
+    @abstractmethod
+    def local_status(self, call_idx: int) -> LocalStatus: ...
+
+    @abstractmethod
+    def wait_local(self, call_idx: int, timeout: float) -> LocalStatus: ...
+
+    @abstractmethod
+    def close(self, abort: bool = False) -> list[int]: ...
+
+    def forget(self, call_idx: int) -> None:
+        """The queue finalized (or gave up on) ``call_idx``."""
+        if call_idx in self._unfinalized:
+            self._unfinalized.remove(call_idx)
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """NVRx-compatible check of the oldest unfinalized call on all ranks."""
+        if not self._unfinalized:
+            return True
+        call_idx = self._unfinalized[0]
+        done = agree_on_call(self, call_idx, blocking, no_dist, self.timeouts)
+        if done:
+            self.forget(call_idx)
+        return done
+
+    def sync_all_async_calls(self, is_alive: int) -> bool:
+        """NVRx-compatible: True when no rank reports a live call (gloo, library group)."""
+        records = _completion.exchange(
+            State.RUNNING if is_alive else State.DONE, 0, False, self.timeouts.collective
+        )
+        return all(r.state != State.RUNNING for r in records)
+
+    def __del__(self) -> None:
+        try:
+            self.close(abort=True)
+        except Exception:
+            pass
+
+
+def _failure_summary(rank: int, status: LocalStatus) -> tuple[int, str, str, str | None]:
+    err = status.error
+    kind = "died" if isinstance(err, WorkerDiedError) else "failed"
+    cause = getattr(err, "__cause__", None)
+    tb = cause.tb if isinstance(cause, RemoteTraceback) else None
+    return rank, kind, str(err), tb
+
+
+def _raise_failure(
+    call_idx: int, status: LocalStatus, records: list[Any], timeouts: Timeouts
+) -> None:
+    rank = _completion.my_rank()
+    mine = _failure_summary(rank, status) if status.state == State.FAILED else None
+    summaries = [s for s in _completion.gather_objects(mine, timeouts.collective) if s]
+    failed = [s[0] for s in summaries]
+    lines = "\n".join(f"  {s[2]}" for s in summaries)
+    message = f"async request {call_idx} failed on rank(s) {failed}:\n{lines}"
+    cls: type[WorkerError] = (
+        WorkerDiedError if summaries and summaries[0][1] == "died" else AsyncCallFailedError
+    )
+    error = cls(message, call_idx=call_idx, failed_ranks=failed)
+    if status.error is not None:
+        raise error from status.error
+    remote_tb = next((s[3] for s in summaries if s[3]), None)
+    raise error from (RemoteTraceback(remote_tb) if remote_tb else None)
+
+
+def agree_on_call(
+    caller: AsyncCaller, call_idx: int, blocking: bool, no_dist: bool, timeouts: Timeouts
+) -> bool:
+    """Decide, identically on every rank, whether ``call_idx`` is done everywhere.
+
+    Returns True when it succeeded on all ranks, False when some rank is still writing and
+    ``blocking`` is False. Raises on every rank when any rank failed, when the ranks are on
+    different calls, or when a blocking wait passes ``timeouts.finalize``.
+    """
+    deadline = time.monotonic() + timeouts.finalize
+    while True:
+        if blocking and no_dist:
+            status = caller.wait_local(call_idx, max(0.0, deadline - time.monotonic()))
+        else:
+            status = caller.local_status(call_idx)
+        passed = blocking and time.monotonic() >= deadline
+        if no_dist:
+            records = [
+                _completion.RankRecord(_completion.my_rank(), status.state, call_idx, passed)
+            ]
+        else:
+            records = _completion.exchange(status.state, call_idx, passed, timeouts.collective)
+        idxs = {r.call_idx for r in records}
+        if len(idxs) > 1:
+            raise InvalidRequestError(
+                f"ranks disagree on the async call being finalized: "
+                f"{ {r.rank: r.call_idx for r in records} }; every rank must schedule and "
+                "finalize the same requests in the same order"
+            )
+        if any(r.state == State.FAILED for r in records):
+            if no_dist:
+                raise status.error or WorkerError(f"async request {call_idx} failed")
+            _raise_failure(call_idx, status, records, timeouts)
+        if all(r.state == State.DONE for r in records):
+            return True
+        if not blocking:
+            return False
+        if any(r.deadline_passed for r in records):
+            running = [r.rank for r in records if r.state == State.RUNNING]
+            raise CheckpointTimeoutError(
+                f"async request {call_idx} still running on rank(s) {running} after "
+                f"{timeouts.finalize:.1f}s (RESILIENT_CKPT_FINALIZE_TIMEOUT); the checkpoint "
+                "is abandoned and will not be committed"
+            )
+        if not no_dist:
+            caller.wait_local(call_idx, timeouts.poll_interval)
+
+
+def _fork_entry(conn: Connection, parent_pid: int, async_fn: Any, args: list, kwargs: dict) -> None:
+    arm_parent_death_signal(parent_pid)
+    try:
+        async_fn(*args, **kwargs)
+    except BaseException as exc:
+        try:
+            conn.send(RemoteFailure.from_exception(exc))
+        finally:
+            os._exit(1)
+    os._exit(0)
+
+
+class TemporalAsyncCaller(AsyncCaller):
+    """Forks one child process per request (NVRx's original, deprecated caller)."""
+
+    def __init__(self, timeouts: Timeouts | None = None) -> None:
+        super().__init__(timeouts)
+        self.process: Any = None
+        self._conn: Connection | None = None
+        self._call_idx: int | None = None
+        self._status: LocalStatus | None = None
+        self.preloaded_holder: Any = None
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        self.rank = _completion.my_rank()
+        self._call_idx = async_req.call_idx
+        self._unfinalized.append(async_req.call_idx)
+        if async_req.async_fn is None:
+            self._status = LocalStatus(State.DONE)
+            return
+        args = list(async_req.async_fn_args)
+        if async_req.preload_fn is not None:
+            args[1] = checked_preload(async_req.preload_fn)
+            self.preloaded_holder = args[1]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        ctx = mp.get_context("fork")
+        reader, writer = ctx.Pipe(duplex=False)
+        self.start_time = time.monotonic()
+        self.process = ctx.Process(
+            target=_fork_entry,
+            args=(
+                writer,
+                os.getpid(),
+                async_req.async_fn,
+                args,
+                dict(async_req.async_fn_kwargs or {}),
+            ),
+            name=f"resilient_ckpt-fork-{self.rank}-{async_req.call_idx}",
+        )
+        self.process.start()
+        writer.close()
+        self._conn = reader
+
+    def _settle(self) -> None:
+        if self._status is not None or self.process is None:
+            return
+        if self.process.exitcode is None:
+            return
+        failure = None
+        if self._conn is not None and self._conn.poll(0):
+            try:
+                failure = self._conn.recv()
+            except (EOFError, OSError):
+                failure = None
+        code = self.process.exitcode
+        self.process.join()
+        rank = self.rank if self.rank is not None else 0
+        idx = self._call_idx if self._call_idx is not None else -1
+        if isinstance(failure, RemoteFailure):
+            self._status = LocalStatus(State.FAILED, failure_error(rank, idx, failure))
+        elif code != 0:
+            self._status = LocalStatus(
+                State.FAILED,
+                WorkerDiedError(
+                    f"rank {rank}: forked checkpoint process (pid {self.process.pid}) for async "
+                    f"request {idx} ended with {exit_description(code)}",
+                    exitcode=code,
+                    call_idx=idx,
+                    failed_ranks=(rank,),
+                ),
+            )
+        else:
+            self._status = LocalStatus(
+                State.DONE,
+                None,
+                {"write": time.monotonic() - (self.start_time or time.monotonic())},
+            )
+        self.preloaded_holder = None
+
+    def local_status(self, call_idx: int) -> LocalStatus:
+        self._settle()
+        return self._status or LocalStatus(State.RUNNING)
+
+    def wait_local(self, call_idx: int, timeout: float) -> LocalStatus:
+        if self._status is None and self.process is not None:
+            wait([self.process.sentinel], timeout)
+        return self.local_status(call_idx)
+
+    def close(self, abort: bool = False) -> list[int]:
+        dropped: list[int] = []
+        if self.process is not None and self.process.exitcode is None:
+            if abort:
+                dropped = [self._call_idx] if self._call_idx is not None else []
+                self.process.kill()
+            self.process.join(self.timeouts.shutdown if abort else self.timeouts.finalize)
+            if self.process.exitcode is None:
+                logger.warning(
+                    "forked checkpoint process %s did not finish; killing it", self.process.pid
+                )
+                self.process.kill()
+                self.process.join(self.timeouts.shutdown)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        return dropped

@@ -1,0 +1,147 @@
+"""Typed messages between a trainer and its background worker.
+
+The two processes talk over one duplex ``multiprocessing`` connection (a Unix socket pair).
+Every message is one of the frozen dataclasses below, sent as ``(Kind, body)``; the receiver
+checks that the kind matches the body's type, so a protocol mix-up fails loudly instead of
+being misread. Shared-memory file descriptors travel out of band right after
+:class:`AttachArena` (``SCM_RIGHTS`` on the same socket), never inside a pickle.
+
+Conversation::
+
+    worker  -> trainer   Hello            once, after start-up (the handshake)
+    trainer -> worker    AttachArena+fd   once per staging arena the worker has not seen
+    trainer -> worker    Submit           one per request, in call order
+    worker  -> trainer   Result           one per Submit, in the same order
+    trainer -> worker    DetachArena      when the trainer frees an arena
+    trainer -> worker    Shutdown         orderly exit after the queued requests
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, ClassVar
+
+from ..errors import CheckpointingException
+
+
+class Kind(enum.Enum):
+    HELLO = "hello"
+    ATTACH_ARENA = "attach_arena"
+    DETACH_ARENA = "detach_arena"
+    SUBMIT = "submit"
+    RESULT = "result"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class Hello:
+    KIND: ClassVar[Kind] = Kind.HELLO
+    pid: int
+
+
+@dataclass(frozen=True)
+class AttachArena:
+    KIND: ClassVar[Kind] = Kind.ATTACH_ARENA
+    arena_id: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class DetachArena:
+    KIND: ClassVar[Kind] = Kind.DETACH_ARENA
+    arena_id: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one staged storage lies inside an arena."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Submit:
+    KIND: ClassVar[Kind] = Kind.SUBMIT
+    call_idx: int
+    arena_id: int | None
+    slots: tuple[Slot, ...]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    """An exception raised in the worker, as a value that always pickles."""
+
+    exc_type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> RemoteFailure:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text)
+
+
+@dataclass(frozen=True)
+class Result:
+    KIND: ClassVar[Kind] = Kind.RESULT
+    call_idx: int
+    failure: RemoteFailure | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    KIND: ClassVar[Kind] = Kind.SHUTDOWN
+
+
+Body = Hello | AttachArena | DetachArena | Submit | Result | Shutdown
+
+
+class ProtocolError(CheckpointingException):
+    """A message arrived that the protocol does not allow at this point."""
+
+
+class Channel:
+    """One end of the trainer/worker connection; sends are serialised by a lock."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._send_lock = threading.Lock()
+
+    def send(self, body: Body, fd: int | None = None, peer_pid: int | None = None) -> None:
+        from multiprocessing.reduction import send_handle
+
+        with self._send_lock:
+            self.conn.send((body.KIND, body))
+            if fd is not None:
+                send_handle(self.conn, fd, peer_pid or 0)
+
+    def recv(self) -> Body:
+        kind, body = self.conn.recv()
+        if not isinstance(kind, Kind) or getattr(type(body), "KIND", None) is not kind:
+            raise ProtocolError(f"malformed message: kind={kind!r}, body={type(body).__name__}")
+        return body  # type: ignore[no-any-return]
+
+    def recv_fd(self) -> int:
+        from multiprocessing.reduction import recv_handle
+
+        return recv_handle(self.conn)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+def describe(body: Any) -> str:
+    return f"{type(body).__name__}"

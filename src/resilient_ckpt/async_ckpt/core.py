@@ -1,0 +1,266 @@
+"""Async checkpointing core: requests, callers, and the queue that finalizes them.
+
+Public, NVRx-compatible names: :class:`AsyncRequest`, :class:`AsyncCallsQueue`,
+:class:`AsyncCaller`, :class:`TemporalAsyncCaller`, :class:`PersistentAsyncCaller`,
+:func:`abort_nvrx_checkpoint`.
+
+Call protocol of :class:`AsyncCallsQueue` (every rank makes every call, in the same order):
+
+1. ``schedule_async_request(request)`` returns the call index. The request's tensors are
+   snapshotted before it returns; the write runs in the background.
+2. ``maybe_finalize_async_calls(blocking, no_dist)`` finalizes, oldest first, each call that
+   is done *on all ranks* (unless ``no_dist``): its finalize functions run in the trainer,
+   once, in FIFO order, and its index is returned. A call that failed on any rank raises
+   on every rank (a :class:`~resilient_ckpt.errors.WorkerError` naming the ranks); a
+   blocking wait past the deadline raises :class:`~resilient_ckpt.errors.CheckpointTimeoutError`.
+3. ``close(abort)`` finalizes what is pending (or drops it when ``abort``) and stops the
+   worker. A later ``schedule_async_request`` starts a fresh worker, as in NVRx.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+from collections import deque
+from typing import ClassVar, NamedTuple
+
+from .._logging import get_logger
+from ..config import Timeouts, default_timeouts
+from ..errors import QueueClosedError
+from ._callers import AsyncCaller, TemporalAsyncCaller, agree_on_call
+from ._persistent import PersistentAsyncCaller
+from ._request import AsyncRequest, validate_request
+
+logger = get_logger(__name__)
+
+__all__ = [
+    "AsyncCallsQueue",
+    "AsyncCaller",
+    "AsyncRequest",
+    "PersistentAsyncCaller",
+    "TemporalAsyncCaller",
+    "abort_nvrx_checkpoint",
+]
+
+
+class _ActiveAsyncRequest(NamedTuple):
+    idx: int
+    async_caller: AsyncCaller
+    async_request: AsyncRequest
+
+
+class AsyncCallsQueue:
+    """Schedules :class:`AsyncRequest` objects and finalizes them across ranks.
+
+    Args:
+        persistent: one long-lived spawned worker (True, default) or a fork per request.
+        is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode: passed to
+            :class:`PersistentAsyncCaller`.
+        timeouts: deadlines for every wait (default:
+            :func:`resilient_ckpt.config.default_timeouts`).
+        max_staging_buffers: how many staging arenas may exist at once (bounds host memory
+            to this many snapshots; a further save waits for an earlier one to finish).
+    """
+
+    _instances: ClassVar[weakref.WeakSet[AsyncCallsQueue]] = weakref.WeakSet()
+    _warmup_persistent_caller: ClassVar[PersistentAsyncCaller | None] = None
+
+    def __init__(
+        self,
+        persistent: bool = True,
+        is_daemon: bool = True,
+        cpu_priority: int = 10,
+        io_priority: int | None = None,
+        sigterm_timeout: float = 30.0,
+        cpu_shm_mode: bool = False,
+        *,
+        timeouts: Timeouts | None = None,
+        max_staging_buffers: int = 2,
+    ) -> None:
+        self.persistent = persistent
+        self.is_daemon = is_daemon
+        self.cpu_priority = cpu_priority
+        self.io_priority = io_priority
+        self.sigterm_timeout = sigterm_timeout
+        self.cpu_shm_mode = cpu_shm_mode
+        self.timeouts = timeouts or default_timeouts()
+        self.max_staging_buffers = max_staging_buffers
+        self.async_calls: deque[_ActiveAsyncRequest] = deque()
+        self.call_idx = -1
+        self.persistent_caller: PersistentAsyncCaller | None = None
+        self._closed = False
+        # Per-call timings (seconds): stage (trainer stall), preload/write (worker), finalize.
+        self.timings: dict[int, dict[str, float]] = {}
+        AsyncCallsQueue._instances.add(self)
+
+    @classmethod
+    def get_instances(cls) -> list[AsyncCallsQueue]:
+        return list(cls._instances)
+
+    def _get_async_caller(self) -> AsyncCaller:
+        if not self.persistent:
+            return TemporalAsyncCaller(self.timeouts)
+        if self.persistent_caller is None:
+            warmed = AsyncCallsQueue._warmup_persistent_caller
+            if warmed is not None:
+                AsyncCallsQueue._warmup_persistent_caller = None
+                warmed.timeouts = self.timeouts
+                self.persistent_caller = warmed
+            else:
+                self.persistent_caller = PersistentAsyncCaller(
+                    is_daemon=self.is_daemon,
+                    cpu_priority=self.cpu_priority,
+                    io_priority=self.io_priority,
+                    sigterm_timeout=self.sigterm_timeout,
+                    cpu_shm_mode=self.cpu_shm_mode,
+                    timeouts=self.timeouts,
+                    max_staging_buffers=self.max_staging_buffers,
+                )
+        return self.persistent_caller
+
+    @classmethod
+    def warmup_persistent_caller(
+        cls,
+        rank: int,
+        is_daemon: bool = True,
+        cpu_priority: int = 10,
+        io_priority: int | None = None,
+        sigterm_timeout: float = 30.0,
+        cpu_shm_mode: bool = False,
+    ) -> None:
+        """Start a persistent worker now, so the first save does not pay its start-up."""
+        if cls._warmup_persistent_caller is None:
+            caller = PersistentAsyncCaller(
+                is_daemon=is_daemon,
+                cpu_priority=cpu_priority,
+                io_priority=io_priority,
+                sigterm_timeout=sigterm_timeout,
+                cpu_shm_mode=cpu_shm_mode,
+            )
+            caller.start(rank=rank, wait_ready=False)
+            cls._warmup_persistent_caller = caller
+
+    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+        """Snapshot and start ``async_request``; returns its call index. All ranks call this."""
+        request = validate_request(async_request)
+        caller = self._get_async_caller()
+        self._closed = False
+        call_idx = self.call_idx + 1
+        frozen = request.freeze()
+        started = time.perf_counter()
+        caller.schedule_async_call(frozen._replace(call_idx=call_idx, finalize_fns=[]))
+        self.call_idx = call_idx
+        self.timings[call_idx] = {"stall": time.perf_counter() - started}
+        self.async_calls.append(_ActiveAsyncRequest(call_idx, caller, frozen))
+        return call_idx
+
+    def maybe_finalize_async_calls(
+        self, blocking: bool = False, no_dist: bool = False
+    ) -> list[int]:
+        """Finalize every call done on all ranks, oldest first; returns their indices."""
+        if self._closed and not self.async_calls:
+            raise QueueClosedError(
+                "maybe_finalize_async_calls on a closed AsyncCallsQueue; schedule a new "
+                "request (which restarts the worker) or create a new queue"
+            )
+        finalized: list[int] = []
+        while self.async_calls:
+            idx, caller, request = self.async_calls[0]
+            try:
+                done = agree_on_call(caller, idx, blocking, no_dist, self.timeouts)
+            except BaseException:
+                self.async_calls.popleft()
+                caller.forget(idx)
+                raise
+            if not done:
+                break
+            self.async_calls.popleft()
+            caller.forget(idx)
+            started = time.perf_counter()
+            for finalize_fn in request.finalize_fns:
+                finalize_fn()
+            stats = self.timings.setdefault(idx, {})
+            stats["finalize"] = time.perf_counter() - started
+            stats.update(getattr(caller, "timings", {}).get(idx, {}))
+            finalized.append(idx)
+            logger.info(
+                "finalized async request %d (stall %.4fs, write %.4fs, finalize %.4fs)",
+                idx,
+                stats.get("stall", 0.0),
+                stats.get("write", 0.0),
+                stats["finalize"],
+            )
+        if len(self.timings) > 256:
+            for old in sorted(self.timings)[:-128]:
+                del self.timings[old]
+        return finalized
+
+    def get_num_unfinalized_calls(self) -> int:
+        return len(self.async_calls)
+
+    def close(self, abort: bool = False) -> list[int]:
+        """Finalize pending calls (or drop them with ``abort``) and stop the worker.
+
+        Returns the indices of the calls that were dropped unfinished. Without ``abort``
+        this is collective (it finalizes across ranks); a failure of a pending call is
+        re-raised after the worker has been stopped.
+        """
+        error: BaseException | None = None
+        dropped: list[int] = []
+        if not abort:
+            try:
+                while self.async_calls:
+                    self.maybe_finalize_async_calls(blocking=True)
+            except BaseException as exc:
+                error = exc
+        dropped.extend(c.idx for c in self.async_calls)
+        self.async_calls.clear()
+        if self.persistent_caller is not None:
+            self.persistent_caller.close(abort=abort or error is not None)
+            self.persistent_caller = None
+        self._closed = True
+        if dropped:
+            logger.warning("async calls %s dropped by close(abort=%s)", dropped, abort)
+        if error is not None:
+            raise error
+        return dropped
+
+    def _abandon(self) -> None:
+        """Interpreter exit / garbage collection: no collectives, no finalize functions.
+
+        The worker gets the shutdown deadline to finish the writes it has queued, then is
+        stopped; nothing is committed by finalize functions.
+        """
+        self.async_calls.clear()
+        if self.persistent_caller is not None:
+            self.persistent_caller.close(abort=False)
+            self.persistent_caller = None
+
+    def __del__(self) -> None:
+        try:
+            self._abandon()
+        except Exception:
+            pass
+
+
+def abort_nvrx_checkpoint() -> None:
+    """Abort every live queue's pending checkpoints and stop their workers (NVRx name)."""
+    for queue in AsyncCallsQueue.get_instances():
+        queue.close(abort=True)
+    warmed = AsyncCallsQueue._warmup_persistent_caller
+    if warmed is not None:
+        warmed.close(abort=True)
+        AsyncCallsQueue._warmup_persistent_caller = None
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    for queue in AsyncCallsQueue.get_instances():
+        try:
+            queue._abandon()
+        except Exception:
+            pass
+    warmed = AsyncCallsQueue._warmup_persistent_caller
+    if warmed is not None:
+        warmed.close(abort=True)

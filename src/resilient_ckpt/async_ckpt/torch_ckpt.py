@@ -1,0 +1,104 @@
+"""``TorchAsyncCheckpoint``: ``torch.save`` in the background, committed atomically.
+
+``async_save(state_dict, f, ...)`` takes the arguments of ``torch.save``. The state is
+snapshotted before the call returns (copied into the staging arena by the persistent
+queue; by fork-time copy-on-write with the fork queue, CUDA tensors being moved to the host
+first). The worker writes to a temporary file, fsyncs it, renames it over ``f`` and fsyncs
+the directory, so ``f`` is always either the previous complete file or the new one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import IO, Any
+
+import torch
+
+from ..config import Timeouts
+from ..errors import ConfigurationError
+from ..utils import iter_tensors, preload_tensors
+from ._files import write_atomically
+from .core import AsyncCallsQueue, AsyncRequest
+
+
+def save_atomically(obj: Any, path: str, *args: Any, sync: bool = True, **kwargs: Any) -> None:
+    """``torch.save(obj, path, ...)`` through a temporary file and an atomic rename."""
+
+    def _write(f: IO[bytes]) -> None:
+        torch.save(obj, f, *args, **kwargs)
+
+    write_atomically(path, _write, sync=sync)
+
+
+def _check_target(f: Any) -> str:
+    if not isinstance(f, (str, os.PathLike)):
+        raise ConfigurationError(
+            f"TorchAsyncCheckpoint.async_save needs a file path (str or os.PathLike) as its "
+            f"second argument, got {type(f).__name__}: file objects cannot be handed to the "
+            "background writer"
+        )
+    path = os.fspath(f)
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigurationError(f"checkpoint path {path!r} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise ConfigurationError(
+            f"directory {parent!r} for checkpoint {path!r} does not exist; create it first"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigurationError(f"directory {parent!r} is not writable by this process")
+    return path
+
+
+class TorchAsyncCheckpoint:
+    """Asynchronous ``torch.save`` on top of :class:`AsyncCallsQueue`."""
+
+    async_fn = None
+
+    def __init__(
+        self,
+        persistent_queue: bool = True,
+        *,
+        timeouts: Timeouts | None = None,
+        sync_files: bool = True,
+    ) -> None:
+        self.persistent_queue = persistent_queue
+        self.sync_files = sync_files
+        self._queue = AsyncCallsQueue(persistent=persistent_queue, timeouts=timeouts)
+
+    @property
+    def queue(self) -> AsyncCallsQueue:
+        return self._queue
+
+    def async_save(self, state_dict: Any, *args: Any, **kwargs: Any) -> int:
+        """Start saving ``state_dict`` like ``torch.save(state_dict, *args, **kwargs)``."""
+        if args:
+            f, rest = args[0], args[1:]
+        elif "f" in kwargs:
+            f, rest = kwargs.pop("f"), ()
+        else:
+            raise ConfigurationError("TorchAsyncCheckpoint.async_save needs a target path `f`")
+        path = _check_target(f)
+        save_fn = functools.partial(save_atomically, sync=self.sync_files)
+        preload_fn = None
+        if not self.persistent_queue and any(
+            t.device.type != "cpu" for t in iter_tensors(state_dict)
+        ):
+            preload_fn = functools.partial(preload_tensors, state_dict, non_blocking=True)
+        request = AsyncRequest(
+            save_fn, (state_dict, path, *rest), [], kwargs, preload_fn=preload_fn
+        )
+        return self._queue.schedule_async_request(request)
+
+    def finalize_async_save(
+        self, blocking: bool = False, no_dist: bool = True, terminate: bool = False
+    ) -> list[int]:
+        """Finalize finished saves (all of them when ``blocking``); optionally close."""
+        finalized = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
+        if terminate:
+            self.close()
+        return finalized
+
+    def close(self, abort: bool = False) -> list[int]:
+        return self._queue.close(abort=abort)

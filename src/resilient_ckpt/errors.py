@@ -1,0 +1,95 @@
+"""One exception hierarchy for the whole library.
+
+Every error the library raises derives from :class:`CheckpointingException` (the name NVRx
+uses for its base class, kept so ``except CheckpointingException`` in NVRx code keeps
+working). Where NVRx raised a builtin (``RuntimeError`` for a frozen request, ``ValueError``
+for bad arguments), our class also derives from that builtin, so both spellings catch it.
+
+Errors carry structure (rank, call index, path) as attributes and say what to do in their
+message; causes are chained with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CheckpointingException(Exception):
+    """Base class of every error raised by resilient_ckpt."""
+
+
+class ConfigurationError(CheckpointingException, ValueError):
+    """An argument, option or environment variable has an invalid value."""
+
+
+class InvalidRequestError(CheckpointingException, ValueError):
+    """An :class:`~resilient_ckpt.async_ckpt.core.AsyncRequest` cannot be executed as given."""
+
+
+class FrozenRequestError(CheckpointingException, RuntimeError):
+    """A finalize function was added to a frozen (already scheduled) request."""
+
+
+class QueueClosedError(CheckpointingException, RuntimeError):
+    """The async queue was used after ``close()``."""
+
+
+class StagingError(CheckpointingException):
+    """The state could not be snapshotted into host staging memory."""
+
+
+class WorkerError(CheckpointingException):
+    """An async request failed in the background; raised on every rank."""
+
+    def __init__(
+        self, message: str, *, call_idx: int | None = None, failed_ranks: Sequence[int] = ()
+    ) -> None:
+        super().__init__(message)
+        self.call_idx = call_idx
+        self.failed_ranks = tuple(failed_ranks)
+
+
+class WorkerDiedError(WorkerError):
+    """The background worker process exited while a request was in flight."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        exitcode: int | None = None,
+        call_idx: int | None = None,
+        failed_ranks: Sequence[int] = (),
+    ) -> None:
+        super().__init__(message, call_idx=call_idx, failed_ranks=failed_ranks)
+        self.exitcode = exitcode
+
+
+class AsyncCallFailedError(WorkerError):
+    """``async_fn`` (or ``preload_fn``) raised inside the background worker."""
+
+
+class CheckpointTimeoutError(CheckpointingException, TimeoutError):
+    """A wait exceeded its deadline (see :mod:`resilient_ckpt.config`)."""
+
+
+class RemoteTraceback(Exception):
+    """Carries the text of a traceback from another process, for exception chaining."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb}"""'
+
+
+class StorageError(CheckpointingException, OSError):
+    """Reading or writing checkpoint storage failed."""
+
+
+class CorruptCheckpointError(CheckpointingException):
+    """A checkpoint file failed its size or checksum verification."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path

@@ -1,0 +1,172 @@
+"""Run a function on N ranks (spawned processes, gloo process group) with a deadline.
+
+``launch(fn, world_size, *args, timeout=...)`` starts ``world_size`` processes with the
+``spawn`` method, initialises a gloo process group in each (rendezvous through a
+``FileStore`` in a fresh temporary directory, so no port is ever reserved or fixed), calls
+``fn(rank, world_size, *args)`` and returns the per-rank results in rank order.
+
+Failures are loud and bounded: an exception on any rank raises :class:`RankFailure` with
+that rank's traceback; a rank still running at the deadline, or dying without reporting,
+raises :class:`RankTimeout` / :class:`RankFailure` naming it, and every process is killed,
+so a hung collective fails the test instead of stalling CI. ``fn`` must be importable (a
+module-level function) because the children import it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from ..errors import CheckpointingException
+
+
+class RankFailure(CheckpointingException):
+    """A rank raised, or exited without reporting a result."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class RankTimeout(CheckpointingException, TimeoutError):
+    """Some ranks did not finish before the deadline (they were killed)."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    args: tuple,
+    env: dict[str, str],
+    conn: Connection,
+    pg_timeout: float,
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        result = fn(rank, world_size, *args)
+        conn.send(("ok", result))
+    except BaseException as exc:
+        conn.send(("error", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        conn.close()
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.join(5)
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    pg_timeout: float | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    tmpdir = tempfile.mkdtemp(prefix="rc_launch_")
+    store_path = os.path.join(tmpdir, "store")
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_rank_main,
+            args=(
+                fn,
+                rank,
+                world_size,
+                store_path,
+                args,
+                dict(env or {}),
+                child,
+                pg_timeout if pg_timeout is not None else timeout,
+            ),
+            name=f"rank-{rank}",
+        )
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        pending = {conns[r]: r for r in range(world_size)}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                hung = sorted(pending.values())
+                raise RankTimeout(f"rank(s) {hung} did not finish within {timeout:.0f}s", hung)
+            for ready in wait(list(pending), remaining):
+                conn = ready if isinstance(ready, Connection) else None
+                if conn is None:
+                    continue
+                rank = pending.pop(conn)
+                try:
+                    kind, value = conn.recv()
+                except EOFError:
+                    procs[rank].join(5)
+                    raise RankFailure(
+                        f"rank {rank} exited (exit code {procs[rank].exitcode}) without a result",
+                        rank,
+                    ) from None
+                if kind == "error":
+                    raise RankFailure(f"rank {rank} raised:\n{value}", rank)
+                results[rank] = value
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+    finally:
+        _kill_all(procs)
+        for c in conns:
+            c.close()
+        try:
+            for name in os.listdir(tmpdir):
+                os.unlink(os.path.join(tmpdir, name))
+            os.rmdir(tmpdir)
+        except OSError:
+            pass
+    return [results[r] for r in range(world_size)]
