@@ -1,0 +1,6 @@
+"""Storage backends: where checkpoint bytes go. See :mod:`.base` for the interface."""
+
+from .base import StorageBackend, get_backend, is_url
+from .posix import PosixBackend
+
+__all__ = ["PosixBackend", "StorageBackend", "get_backend", "is_url"]

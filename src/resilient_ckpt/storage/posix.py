@@ -1,0 +1,73 @@
+"""POSIX backend: durable, atomic writes on a local or shared file system."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
+
+from ..async_ckpt._files import fsync_dir, temp_name
+from ..errors import StorageError
+from .base import StorageBackend
+
+
+class PosixBackend(StorageBackend):
+    scheme = "file"
+
+    def makedirs(self, path: str) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except FileExistsError as exc:
+            raise StorageError(f"{path!r} exists and is not a directory") from exc
+        except OSError as exc:
+            raise StorageError(f"cannot create directory {path!r}: {exc.strerror}") from exc
+
+    @contextmanager
+    def open_write(self, path: str, *, sync: bool = True) -> Iterator[BinaryIO]:
+        tmp = temp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                if sync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        if sync:
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+    @contextmanager
+    def open_read(self, path: str) -> Iterator[BinaryIO]:
+        with open(path, "rb") as f:
+            yield f
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def delete(self, path: str, *, recursive: bool = False) -> None:
+        try:
+            if recursive and os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
