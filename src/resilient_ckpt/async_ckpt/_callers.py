@@ -127,27 +127,31 @@ class AsyncCaller(ABC):
             pass
 
 
-def _failure_summary(rank: int, status: LocalStatus) -> tuple[int, str, str, str | None]:
+def _failure_summary(rank: int, status: LocalStatus) -> tuple[int, str, str, str | None, Any]:
     err = status.error
     kind = "died" if isinstance(err, WorkerDiedError) else "failed"
     cause = getattr(err, "__cause__", None)
     tb = cause.tb if isinstance(cause, RemoteTraceback) else None
-    return rank, kind, str(err), tb
+    return rank, kind, str(err), tb, getattr(err, "exitcode", None)
 
 
-def _raise_failure(
-    call_idx: int, status: LocalStatus, records: list[Any], timeouts: Timeouts
-) -> None:
+def _raise_failure(call_idx: int, status: LocalStatus, timeouts: Timeouts, no_dist: bool) -> None:
+    """Every rank raises the same error, naming every failed rank (one extra collective)."""
     rank = _completion.my_rank()
     mine = _failure_summary(rank, status) if status.state == State.FAILED else None
-    summaries = [s for s in _completion.gather_objects(mine, timeouts.collective) if s]
+    gathered = [mine] if no_dist else _completion.gather_objects(mine, timeouts.collective)
+    summaries = [s for s in gathered if s]
     failed = [s[0] for s in summaries]
     lines = "\n".join(f"  {s[2]}" for s in summaries)
     message = f"async request {call_idx} failed on rank(s) {failed}:\n{lines}"
-    cls: type[WorkerError] = (
-        WorkerDiedError if summaries and summaries[0][1] == "died" else AsyncCallFailedError
-    )
-    error = cls(message, call_idx=call_idx, failed_ranks=failed)
+    error: WorkerError
+    died = [s for s in summaries if s[1] == "died"]
+    if died:
+        error = WorkerDiedError(
+            message, exitcode=died[0][4], call_idx=call_idx, failed_ranks=failed
+        )
+    else:
+        error = AsyncCallFailedError(message, call_idx=call_idx, failed_ranks=failed)
     if status.error is not None:
         raise error from status.error
     remote_tb = next((s[3] for s in summaries if s[3]), None)
@@ -184,9 +188,7 @@ def agree_on_call(
                 "finalize the same requests in the same order"
             )
         if any(r.state == State.FAILED for r in records):
-            if no_dist:
-                raise status.error or WorkerError(f"async request {call_idx} failed")
-            _raise_failure(call_idx, status, records, timeouts)
+            _raise_failure(call_idx, status, timeouts, no_dist)
         if all(r.state == State.DONE for r in records):
             return True
         if not blocking:

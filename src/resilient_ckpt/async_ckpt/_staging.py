@@ -141,6 +141,9 @@ class _StagingPickler(pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.slots: list[_PendingSlot] = []
         self._slot_of: dict[tuple[str, int, int], int] = {}
+        # pickle does not memoize persistent ids: keep tensor identity ourselves.
+        self._object_ids: dict[int, int] = {}
+        self._keepalive: list[torch.Tensor] = []
 
     def reducer_override(self, obj: Any) -> Any:
         # Modules (e.g. torch.save's pickle_module=pickle) travel by name.
@@ -153,6 +156,11 @@ class _StagingPickler(pickle.Pickler):
             return None
         if obj.layout != torch.strided or obj.device.type == "meta" or obj.is_quantized:
             return None
+        object_index = self._object_ids.get(id(obj))
+        if object_index is None:
+            object_index = len(self._object_ids)
+            self._object_ids[id(obj)] = object_index
+            self._keepalive.append(obj)
         storage = obj.untyped_storage()
         key = (str(storage.device), storage.data_ptr(), storage.nbytes())
         slot = self._slot_of.get(key)
@@ -162,6 +170,7 @@ class _StagingPickler(pickle.Pickler):
             self._slot_of[key] = slot
         return (
             "tensor",
+            object_index,
             slot,
             obj.dtype,
             tuple(obj.size()),
@@ -180,6 +189,7 @@ class _StagedUnpickler(pickle.Unpickler):
         self._arena = arena
         self._slots = slots
         self._storages: dict[int, torch.UntypedStorage] = {}
+        self._objects: dict[int, torch.Tensor] = {}
 
     def _storage(self, slot: int) -> torch.UntypedStorage:
         storage = self._storages.get(slot)
@@ -192,14 +202,18 @@ class _StagedUnpickler(pickle.Unpickler):
         return storage
 
     def persistent_load(self, pid: Any) -> Any:
-        tag, slot, dtype, size, stride, offset, requires_grad, is_param = pid
+        tag, object_index, slot, dtype, size, stride, offset, requires_grad, is_param = pid
         if tag != "tensor":
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
+        known = self._objects.get(object_index)
+        if known is not None:
+            return known
         tensor = torch.empty(0, dtype=dtype).set_(self._storage(slot), offset, size, stride)
         if is_param:
-            return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-        if requires_grad:
+            tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+        elif requires_grad:
             tensor.requires_grad_(True)
+        self._objects[object_index] = tensor
         return tensor
 
 

@@ -1,0 +1,83 @@
+"""Shared helpers for the benchmarks: size parsing, medians, table printing, raw references."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    if text and text[-1] in _UNITS:
+        return int(float(text[:-1]) * _UNITS[text[-1]])
+    return int(text)
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"
+
+
+def make_state(nbytes: int, tensor_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
+    """A state dict of float32 tensors totalling ``nbytes`` (at most 64 MiB each)."""
+    state: dict[str, torch.Tensor] = {}
+    remaining, i = nbytes, 0
+    while remaining > 0:
+        chunk = min(tensor_bytes, remaining)
+        state[f"layer{i:03d}.weight"] = torch.randn(chunk // 4)
+        remaining -= chunk
+        i += 1
+    return state
+
+
+def median_time(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int = 1,
+    after: Callable[[], object] | None = None,
+) -> float:
+    """Median wall time of ``fn`` (``after`` runs untimed after each call)."""
+    samples = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        if after is not None:
+            after()
+        if i >= warmup:
+            samples.append(elapsed)
+    return statistics.median(samples)
+
+
+def dd_write_seconds(directory: str, nbytes: int) -> float:
+    """Raw sequential write of ``nbytes`` with fsync (``dd ... conv=fsync``) on ``directory``."""
+    path = os.path.join(directory, "dd_reference")
+    count = max(1, nbytes // (8 << 20))
+    start = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
+    elapsed = time.perf_counter() - start
+    os.unlink(path)
+    return elapsed * nbytes / (count * (8 << 20))
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(str(h).ljust(w) for h, w in zip(header, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))

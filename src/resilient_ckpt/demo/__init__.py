@@ -1,0 +1,1 @@
+"""The demo: async checkpointed training, killed, resumed bit-exact (``make demo``)."""

@@ -1,0 +1,85 @@
+"""Module-level functions for tests: the background worker must be able to import them."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+
+def write_tensors(path: str, state: Any) -> None:
+    torch.save(state, path)
+
+
+def write_after_marker(path: str, state: Any, marker: str, delay: float) -> None:
+    """Announce our pid in ``marker``, wait ``delay`` seconds, then write ``state``."""
+    with open(marker, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(delay)
+    torch.save(state, path)
+
+
+def append_line(path: str, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text + "\n")
+
+
+def fail_with(message: str, state: Any = None) -> None:
+    raise RuntimeError(message)
+
+
+def fail_on_rank(rank_to_fail: int, rank: int, path: str, state: Any) -> None:
+    if rank == rank_to_fail:
+        raise RuntimeError(f"injected failure on rank {rank}")
+    torch.save(state, path)
+
+
+def return_none() -> None:
+    return None
+
+
+def identity_state(state: Any) -> Any:
+    return state
+
+
+def wait_for_file(path: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read()
+            if text:
+                return text
+        time.sleep(0.05)
+    raise TimeoutError(f"{path} did not appear within {timeout}s")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def memfd_mappings() -> int:
+    """How many distinct staging-arena memfds this process maps."""
+    names = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            for token in line.split():
+                if "resilient_ckpt_arena" in token:
+                    names.add(token)
+    return len(names)
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)

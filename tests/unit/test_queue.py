@@ -1,0 +1,228 @@
+"""AsyncCallsQueue / TorchAsyncCheckpoint in one process (no process group)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from resilient_ckpt import TorchAsyncCheckpoint
+from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+from resilient_ckpt.config import Timeouts
+from resilient_ckpt.errors import (
+    AsyncCallFailedError,
+    CheckpointTimeoutError,
+    ConfigurationError,
+    InvalidRequestError,
+    QueueClosedError,
+    RemoteTraceback,
+    WorkerDiedError,
+)
+from tests import _helpers
+
+FAST = Timeouts(worker_start=90, finalize=30, collective=60, shutdown=10, poll_interval=0.02)
+
+
+def _state() -> dict:
+    return {
+        "w": torch.arange(1000, dtype=torch.float32),
+        "layers": [torch.ones(4, 4), 7],
+        "b": torch.zeros(3, dtype=torch.float64),
+    }
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_async_save_is_a_consistent_snapshot(tmp_path, persistent) -> None:
+    ckpt = TorchAsyncCheckpoint(persistent_queue=persistent, timeouts=FAST)
+    state = _state()
+    expected = {"w": state["w"].clone(), "m": state["layers"][0].clone()}
+    path = tmp_path / "ckpt.pt"
+    ckpt.async_save(state, path)
+    state["w"].mul_(-1)
+    state["layers"][0].add_(5)  # training continues right after the call
+    assert ckpt.finalize_async_save(blocking=True) == [0]
+    loaded = torch.load(path)
+    assert torch.equal(loaded["w"], expected["w"])
+    assert torch.equal(loaded["layers"][0], expected["m"]) and loaded["layers"][1] == 7
+    assert not [p for p in os.listdir(tmp_path) if p != "ckpt.pt"]  # no temp files left
+    ckpt.close()
+
+
+def test_finalize_fns_run_fifo_once(tmp_path) -> None:
+    queue = AsyncCallsQueue(timeouts=FAST)
+    calls: list[int] = []
+    out = str(tmp_path / "log")
+    for i in range(4):
+        req = AsyncRequest(_helpers.append_line, (out, f"write {i}"), [])
+        req.add_finalize_fn(functools.partial(calls.append, i))
+        assert queue.schedule_async_request(req) == i
+    assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0, 1, 2, 3]
+    assert calls == [0, 1, 2, 3]
+    assert queue.maybe_finalize_async_calls(blocking=True) == []
+    assert open(out).read().splitlines() == [f"write {i}" for i in range(4)]
+    assert calls == [0, 1, 2, 3]
+    queue.close()
+
+
+def test_exception_in_async_fn_carries_worker_traceback() -> None:
+    queue = AsyncCallsQueue(timeouts=FAST)
+    queue.schedule_async_request(AsyncRequest(_helpers.fail_with, ("boom 42",), []))
+    with pytest.raises(AsyncCallFailedError, match="boom 42") as info:
+        queue.maybe_finalize_async_calls(blocking=True)
+    chain = info.value.__cause__
+    while chain is not None and not isinstance(chain, RemoteTraceback):
+        chain = chain.__cause__
+    assert chain is not None and "fail_with" in chain.tb and "RuntimeError" in chain.tb
+    # the queue stays usable after a failed request
+    queue.schedule_async_request(AsyncRequest(_helpers.return_none, (), []))
+    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    queue.close()
+
+
+def test_unpicklable_request_raises_at_schedule() -> None:
+    queue = AsyncCallsQueue(timeouts=FAST)
+    with pytest.raises(InvalidRequestError, match="cannot be sent"):
+        queue.schedule_async_request(AsyncRequest(lambda: None, (), []))
+    assert queue.get_num_unfinalized_calls() == 0
+    queue.close()
+
+
+def test_preload_fn_replaces_second_argument_in_worker(tmp_path) -> None:
+    queue = AsyncCallsQueue(timeouts=FAST)
+    state = {"x": torch.ones(2)}
+    path = str(tmp_path / "p.pt")
+    preload = functools.partial(_helpers.identity_state, {"x": torch.full((2,), 9.0)})
+    queue.schedule_async_request(
+        AsyncRequest(_helpers.write_tensors, (path, state), [], preload_fn=preload)
+    )
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert torch.equal(torch.load(path)["x"], torch.full((2,), 9.0))
+    queue.schedule_async_request(
+        AsyncRequest(_helpers.write_tensors, (path, state), [], preload_fn=_helpers.return_none)
+    )
+    with pytest.raises(AsyncCallFailedError, match="preload_fn returned None"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_worker_killed_mid_write_raises_with_rank_and_exit_code(tmp_path, blocking) -> None:
+    queue = AsyncCallsQueue(timeouts=FAST)
+    marker = str(tmp_path / "pid")
+    queue.schedule_async_request(
+        AsyncRequest(
+            _helpers.write_after_marker,
+            (str(tmp_path / "x.pt"), {"t": torch.ones(3)}, marker, 60),
+            [],
+        )
+    )
+    pid = int(_helpers.wait_for_file(marker))
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"rank 0.*SIGKILL") as info:
+        while True:  # non-blocking polls must also notice the death, not spin forever
+            queue.maybe_finalize_async_calls(blocking=blocking)
+            assert time.monotonic() - started < 30
+            time.sleep(0.05)
+    assert info.value.exitcode == -signal.SIGKILL
+    assert time.monotonic() - started < 30
+    assert not (tmp_path / "x.pt").exists()
+    queue.close()  # returns on a dead worker
+    assert not _helpers.pid_alive(pid)
+
+
+def test_close_on_idle_dead_worker_returns() -> None:
+    queue = AsyncCallsQueue(timeouts=FAST)
+    queue.schedule_async_request(AsyncRequest(_helpers.return_none, (), []))
+    queue.maybe_finalize_async_calls(blocking=True)
+    worker = queue.persistent_caller.process  # type: ignore[union-attr]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    started = time.monotonic()
+    assert queue.close() == []
+    assert time.monotonic() - started < 10
+
+
+def test_close_abort_drops_pending_and_restarts_on_next_schedule(tmp_path) -> None:
+    queue = AsyncCallsQueue(timeouts=FAST)
+    marker = str(tmp_path / "pid")
+    for i in range(3):
+        queue.schedule_async_request(
+            AsyncRequest(
+                _helpers.write_after_marker, (str(tmp_path / f"{i}.pt"), {}, marker, 30), []
+            )
+        )
+    pid = int(_helpers.wait_for_file(marker))
+    assert queue.close(abort=True) == [0, 1, 2]
+    assert queue.get_num_unfinalized_calls() == 0
+    assert not _helpers.pid_alive(pid)
+    with pytest.raises(QueueClosedError):
+        queue.maybe_finalize_async_calls()
+    idx = queue.schedule_async_request(AsyncRequest(_helpers.return_none, (), []))
+    assert queue.maybe_finalize_async_calls(blocking=True) == [idx]
+    queue.close()
+
+
+def test_fork_caller_checks_exit_code(tmp_path) -> None:
+    queue = AsyncCallsQueue(persistent=False, timeouts=FAST)
+    queue.schedule_async_request(AsyncRequest(_helpers.fail_with, ("fork boom",), []))
+    with pytest.raises(AsyncCallFailedError, match="fork boom"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    queue.schedule_async_request(AsyncRequest(os._exit, (3,), []))
+    with pytest.raises(WorkerDiedError, match="exit code 3"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+
+
+def test_blocking_wait_has_a_deadline(tmp_path) -> None:
+    short = Timeouts(worker_start=90, finalize=1.0, collective=60, shutdown=5, poll_interval=0.02)
+    queue = AsyncCallsQueue(timeouts=short)
+    queue.schedule_async_request(
+        AsyncRequest(
+            _helpers.write_after_marker, (str(tmp_path / "x"), {}, str(tmp_path / "m"), 30), []
+        )
+    )
+    with pytest.raises(CheckpointTimeoutError, match="still running on rank"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    queue.close(abort=True)
+
+
+def test_worker_start_handshake_has_a_deadline() -> None:
+    impatient = Timeouts(worker_start=0.001, finalize=30, collective=60, shutdown=5)
+    queue = AsyncCallsQueue(timeouts=impatient)
+    with pytest.raises(CheckpointTimeoutError, match="did not start within"):
+        queue.schedule_async_request(AsyncRequest(_helpers.return_none, (), []))
+    queue.close(abort=True)
+
+
+def test_async_save_rejects_bad_targets(tmp_path) -> None:
+    ckpt = TorchAsyncCheckpoint(timeouts=FAST)
+    with pytest.raises(ConfigurationError, match="file path"):
+        ckpt.async_save({}, open(os.devnull, "wb"))
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        ckpt.async_save({}, tmp_path / "missing" / "x.pt")
+    with pytest.raises(ConfigurationError, match="is a directory"):
+        ckpt.async_save({}, tmp_path)
+    ckpt.close()
+
+
+def test_bounded_memory_over_50_saves(tmp_path) -> None:
+    ckpt = TorchAsyncCheckpoint(timeouts=FAST)
+    state = {f"layer{i}": torch.randn(256, 1024) for i in range(16)}  # 16 MiB
+    path = tmp_path / "m.pt"
+    ckpt.async_save(state, path)
+    ckpt.finalize_async_save(blocking=True)
+    base_rss = _helpers.rss_bytes()
+    base_maps = _helpers.memfd_mappings()
+    for _ in range(50):
+        ckpt.async_save(state, path)
+        ckpt.finalize_async_save(blocking=True)
+    growth = (_helpers.rss_bytes() - base_rss) / base_rss
+    assert ckpt.queue.persistent_caller.staging_arenas_created == 1  # type: ignore[union-attr]
+    assert _helpers.memfd_mappings() == base_maps == 1
+    assert growth < 0.01, f"RSS grew {growth:.2%}"
+    ckpt.close()

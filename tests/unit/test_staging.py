@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from resilient_ckpt.async_ckpt._messages import Channel, Hello, ProtocolError, Result
+from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
+from resilient_ckpt.errors import InvalidRequestError
+from tests import _helpers
+
+
+def _never() -> bool:
+    return False
+
+
+def test_stage_snapshots_and_preserves_views_and_sharing() -> None:
+    base = torch.arange(16, dtype=torch.float32)
+    param = torch.nn.Parameter(torch.ones(3))
+    obj = {
+        "base": base,
+        "view": base[4:8],
+        "again": base,
+        "param": param,
+        "empty": torch.empty(0),
+        "i": torch.tensor([1, 2], dtype=torch.int8),
+        "fn": functools.partial(_helpers.write_tensors, "x"),
+    }
+    pool = ArenaPool(1)
+    staged = stage(obj, pool, _never)
+    base.add_(100)  # training goes on: the staged copy must not change
+    param.data.add_(1)
+    out = unstage(staged.payload, staged.arena, staged.slots)
+    assert torch.equal(out["base"], torch.arange(16, dtype=torch.float32))
+    assert torch.equal(out["view"], torch.arange(4, 8, dtype=torch.float32))
+    assert out["view"].untyped_storage().data_ptr() == out["base"].untyped_storage().data_ptr()
+    assert out["again"] is out["base"]
+    assert isinstance(out["param"], torch.nn.Parameter) and out["param"].requires_grad
+    assert torch.equal(out["param"].detach(), torch.ones(3))
+    assert out["empty"].numel() == 0 and out["i"].dtype == torch.int8
+    # staged storage is only the bytes needed, not the whole arena
+    assert out["base"].untyped_storage().nbytes() == 64
+    pool.close()
+
+
+def test_pool_reuses_arena_for_same_structure() -> None:
+    pool = ArenaPool(2)
+    state = {"w": torch.randn(1000)}
+    for _ in range(20):
+        staged = stage(state, pool, _never)
+        assert staged.arena is not None
+        pool.release(staged.arena.arena_id)
+    assert pool.created == 1
+    pool.close()
+
+
+def test_pool_bounded_when_all_busy() -> None:
+    pool = ArenaPool(1)
+    stage({"w": torch.ones(10)}, pool, _never)
+    with pytest.raises(Exception, match="staging arenas stayed busy"):
+        stage({"w": torch.ones(10)}, pool, _never)
+    pool.close()
+
+
+def test_unpicklable_argument_is_a_named_error() -> None:
+    pool = ArenaPool(1)
+    with pytest.raises(InvalidRequestError, match="cannot be sent to the background worker"):
+        stage((lambda: None, (), None, None), pool, _never)
+    pool.close()
+
+
+def test_channel_rejects_mismatched_kind() -> None:
+    import multiprocessing as mp
+
+    a, b = mp.Pipe()
+    left, right = Channel(a), Channel(b)
+    left.send(Hello(pid=1))
+    assert right.recv() == Hello(pid=1)
+    a.send((Hello.KIND, Result(call_idx=1)))
+    with pytest.raises(ProtocolError):
+        right.recv()
+    left.close()
+    right.close()
