@@ -63,8 +63,8 @@ def _ours_torch(state: dict, directory: str, repeats: int) -> tuple[float, float
     return stall, total
 
 
-def _ours_queue(state: dict, directory: str, repeats: int) -> float:
-    queue = AsyncCallsQueue()
+def _ours_queue(state: dict, directory: str, repeats: int, persistent: bool = True) -> float:
+    queue = AsyncCallsQueue(persistent=persistent)
     path = os.path.join(directory, "ours_queue.pt")
 
     def schedule() -> None:
@@ -142,11 +142,13 @@ def main() -> None:
         floor = _floor(state, args.repeats)
         torch_stall, torch_total = _ours_torch(state, directory, args.repeats)
         queue_stall = _ours_queue(state, directory, args.repeats)
+        fork_stall = _ours_queue(state, directory, args.repeats, persistent=False)
         sync = _torch_save(state, directory, args.repeats)
         measured = [
             ("memcpy floor (shm copy_)", floor, None),
             ("ours TorchAsyncCheckpoint.async_save", torch_stall, torch_total),
             ("ours AsyncCallsQueue request", queue_stall, None),
+            ("ours AsyncCallsQueue(persistent=False), fork COW", fork_stall, None),
             ("torch.save (sync)", sync, sync),
         ]
         if not args.skip_dcp:

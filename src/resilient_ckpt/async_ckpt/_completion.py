@@ -41,7 +41,7 @@ class RankRecord:
     deadline_passed: bool
 
 
-_groups: dict[tuple[int, float], Any] = {}
+_groups: dict[int, Any] = {}
 
 
 def is_distributed() -> bool:
@@ -49,9 +49,11 @@ def is_distributed() -> bool:
 
 
 def library_group(collective_timeout: float) -> Any:
-    """The library's gloo group over all ranks (created on first use, then cached)."""
-    world = dist.group.WORLD
-    key = (id(world), collective_timeout)
+    """The library's gloo group over all ranks (created on first use, then cached).
+
+    One group per default process group: the first caller's deadline becomes its timeout.
+    """
+    key = id(dist.group.WORLD)
     group = _groups.get(key)
     if group is None:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_timeout))

@@ -208,6 +208,16 @@ class PersistentAsyncCaller(AsyncCaller):
                 )
                 self._attached.add(staged.arena.arena_id)
             channel.send(Submit(call_idx, arena_id, staged.slots, staged.payload))
+        except OSError as exc:
+            code = self.process.exitcode if self.process is not None else None
+            self._reap()
+            raise WorkerDiedError(
+                f"rank {self.rank}: lost the checkpoint worker while submitting async request "
+                f"{call_idx} ({exit_description(code)}): {exc}",
+                exitcode=code,
+                call_idx=call_idx,
+                failed_ranks=(self.rank or 0,),
+            ) from exc
         except BaseException:
             if staged.arena is not None:
                 self._pool.release(staged.arena.arena_id)
