@@ -45,6 +45,16 @@ def gather(obj: Any) -> list[Any]:
     return gather_objects(obj, default_timeouts().collective)
 
 
+def _describe(failed: list[tuple[int, Any]]) -> str:
+    """The failure messages, each once, with the ranks that reported it."""
+    by_message: dict[str, list[int]] = {}
+    for rank, (_, message) in failed:
+        by_message.setdefault(message, []).append(rank)
+    if len(by_message) == 1:
+        return next(iter(by_message))
+    return "; ".join(f"rank(s) {ranks}: {message}" for message, ranks in by_message.items())
+
+
 def agree_gather(what: str, step: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
     """Run ``step`` (returning ``(local, shared)``) here; return ``local`` and every rank's
     ``shared``. Raises on every rank if ``step`` failed on any. Collective.
@@ -61,9 +71,8 @@ def agree_gather(what: str, step: Callable[[], tuple[T, Any]]) -> tuple[T, list[
     failed = [(rank, o[0]) for rank, o in enumerate(outcomes) if o[0] is not None]
     if failed:
         ranks = [rank for rank, _ in failed]
-        details = "; ".join(f"rank {rank}: {message}" for rank, (_, message) in failed)
         agreed = _CLASSES.get(failed[0][1][0], CheckpointingException)(
-            f"{what} failed on rank(s) {ranks}: {details}"
+            f"{what} failed on rank(s) {ranks}: {_describe(failed)}"
         )
         agreed.failed_ranks = ranks  # type: ignore[attr-defined]
         raise agreed from error
