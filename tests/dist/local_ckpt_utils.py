@@ -129,7 +129,9 @@ def wipe(root: str, rank: int) -> None:
 
 
 def listing(root: str) -> list[str]:
-    return sorted(os.listdir(rank_dir(root, dist.get_rank())))
+    """This rank's files, without hidden ones (files being deleted in the background)."""
+    names = os.listdir(rank_dir(root, dist.get_rank()))
+    return sorted(n for n in names if not n.startswith("."))
 
 
 def barrier() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue
 from resilient_ckpt.errors import ConfigurationError
-from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager
+from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager, _deleter
 from resilient_ckpt.local._manifest import CopyInfo, file_name, parse_name
 from resilient_ckpt.local.ckpt_managers import _catalogue
 from resilient_ckpt.utils import diff
@@ -26,7 +26,8 @@ def _load(root, **kwargs):
 
 
 def _names(root) -> list[str]:
-    return sorted(os.listdir(os.path.join(root, "s", "0")))
+    names = os.listdir(os.path.join(root, "s", "0"))
+    return sorted(n for n in names if not n.startswith("."))
 
 
 def test_layout_commit_and_retention(tmp_path):
@@ -63,14 +64,19 @@ def test_leftovers_are_removed_and_broken_copies_ignored(tmp_path):
     root = str(tmp_path)
     LocalCheckpointManager(root, "s", keep_latest=3).save(BasicTensorAwareStateDict(_state(1)), 1)
     directory = os.path.join(root, "s", "0")
-    for name in (
+    leftovers = (
         file_name(2, 0, "dirty"),
         file_name(2, 0, "manifest"),
+        file_name(2, 0, "status"),
         ".iter_0000002_0_local.manifest.json.tmp-1",
-    ):
+        ".deleting-iter_0000000_0_local.pt",
+    )
+    for name in leftovers:
         open(os.path.join(directory, name), "w").close()
     latest, _ = _load(root)
-    assert latest == 1 and _names(root) == [file_name(1, 0, "manifest"), file_name(1, 0)]
+    _deleter.wait_idle()
+    assert latest == 1
+    assert sorted(os.listdir(directory)) == [file_name(1, 0, "manifest"), file_name(1, 0)]
     with open(os.path.join(directory, file_name(1, 0, "manifest")), "w") as f:
         f.write("{not json")
     assert _load(root)[0] == -1

@@ -10,7 +10,9 @@ is two files:
 * ``iter_<iteration:07d>_<owner>_local.manifest.json``: size, CRC-32, world size and
   replication parameters of that file, written (atomically) before the rename.
 
-A copy *counts* only when both files exist and the size matches; it is *valid* only when
+A replicated async save also leaves ``iter_<iteration:07d>_<rank>_local.status`` while it
+is in flight (see :mod:`resilient_ckpt.local._background`). A copy *counts* only when both
+files exist and the size matches; it is *valid* only when
 the CRC matches as well. Iterations take as many digits as they need beyond seven, so
 iteration 10,000,000 and later sort and parse correctly (numerically, never by name).
 """
@@ -28,9 +30,10 @@ MANIFEST_VERSION = 1
 DATA = "data"
 DIRTY = "dirty"
 MANIFEST = "manifest"
+STATUS = "status"
 
-_NAME = re.compile(r"iter_(\d{7,})_(\d+)_local(\.pt|\.dirty\.pt|\.manifest\.json)")
-_KINDS = {".pt": DATA, ".dirty.pt": DIRTY, ".manifest.json": MANIFEST}
+_NAME = re.compile(r"iter_(\d{7,})_(\d+)_local(\.pt|\.dirty\.pt|\.manifest\.json|\.status)")
+_KINDS = {".pt": DATA, ".dirty.pt": DIRTY, ".manifest.json": MANIFEST, ".status": STATUS}
 _SUFFIX = {kind: suffix for suffix, kind in _KINDS.items()}
 
 

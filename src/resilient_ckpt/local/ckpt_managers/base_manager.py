@@ -7,15 +7,18 @@ is collective: all ranks call it at once, in the trainer.
 * ``save(state, iteration, is_async)``: every rank checks the request locally (a
   TensorAwareStateDict, an iteration newer than any known, a writable directory, a
   picklable non-tensor part) and the outcomes are agreed, so a bad request fails on every
-  rank with the cause instead of hanging the others. The shard is laid out once; with
-  replication it is serialized into one flat buffer and exchanged with the clique (in the
-  trainer: the exchange is a collective, and the worker has no process group). Writing the
-  copies is the ``async_fn`` of an :class:`~resilient_ckpt.async_ckpt.core.AsyncRequest`
-  that runs on the persistent queue (which snapshots the tensors into shared memory) and on
-  the fork queue (which snapshots by forking, after ``preload_fn`` moved device tensors to
-  the host). The finalize function commits: once every rank's writes succeeded, each rank
-  renames its dirty files to their final names, and retention deletes older iterations.
-  A synchronous save runs the same steps inline.
+  rank with the cause instead of hanging the others. The shard is laid out once. Without
+  replication, writing it is the ``async_fn`` of an
+  :class:`~resilient_ckpt.async_ckpt.core.AsyncRequest` that runs on the persistent queue
+  (which snapshots the tensors into shared memory) and on the fork queue (which snapshots
+  by forking, after ``preload_fn`` moved device tensors to the host). With replication the
+  shard is serialized into one flat buffer (the snapshot) and exchanged with the clique,
+  which is a collective and so happens in the trainer: in a trainer thread for async saves
+  over gloo (the request's ``async_fn`` waits for that thread, see ``.._background``),
+  inline otherwise. The finalize function commits: once every rank's writes succeeded,
+  each rank renames its dirty files to their final names, and retention removes older
+  iterations (in the background, see ``.._deleter``). A synchronous save runs the same
+  steps inline.
 * ``find_latest()``: all ranks gather the catalogue of committed copies. Newest first, an
   iteration is complete when every rank's shard has a copy whose checksum verifies: each
   rank verifies its own copy (reading it, which also pre-loads it for ``load``); for
@@ -41,6 +44,7 @@ import torch.distributed as dist
 
 from ..._logging import get_logger
 from ...async_ckpt.core import AsyncRequest
+from ...config import default_timeouts
 from ...errors import (
     CheckpointingException,
     ConfigurationError,
@@ -48,6 +52,7 @@ from ...errors import (
     SameMachineReplicationException,
 )
 from .._agreement import agree, agree_gather
+from .._background import BackgroundSaves, clique_for_background, wait_for_status, write_status
 from .._format import ShardBuffer, ShardLayout, crc_of, deserialize, plan_shard, serialize
 from .._manifest import CopyInfo
 from .._writer import on_host
@@ -73,6 +78,10 @@ def _as_ckpt_id(value: Hashable) -> CkptID:
     return (int(value[0]), int(value[1]), value[2])
 
 
+def _shard_bytes(state: TensorAwareStateDict) -> torch.Tensor:
+    return state.data if isinstance(state, ShardBuffer) else serialize(plan_shard(state))
+
+
 class BaseCheckpointManager(ABC):
     """Local checkpoints of one rank's state, with optional replication (NVRx API)."""
 
@@ -90,6 +99,7 @@ class BaseCheckpointManager(ABC):
         self._verified: dict[CkptID, torch.Tensor] = {}
         self._inflight: set[int] = set()
         self._newest_saved = -1
+        self._background = BackgroundSaves()
 
     @property
     def rank(self) -> int:
@@ -135,6 +145,10 @@ class BaseCheckpointManager(ABC):
         """A module-level ``write(targets, sources)`` function and the targets of the copies."""
 
     @abstractmethod
+    def _status_path(self, iteration: int) -> str:
+        """Where the trainer thread of a replicated async save reports its outcome."""
+
+    @abstractmethod
     def _commit(self, iteration: int) -> None:
         """Make this rank's copies of ``iteration`` visible (all ranks' writes succeeded)."""
 
@@ -161,6 +175,7 @@ class BaseCheckpointManager(ABC):
         if self.latest_iteration != -1:
             return self.latest_iteration
         started = time.perf_counter()
+        self._background.drain(default_timeouts().finalize)
         self._drop_cache()
         _, catalogue = agree_gather(
             "local checkpoint scan", lambda: (None, self._list_copies(set(self._inflight)))
@@ -251,6 +266,7 @@ class BaseCheckpointManager(ABC):
                 "it returned -1 or was not called"
             )
         started = time.perf_counter()
+        self._background.drain(default_timeouts().finalize)
         my_id = self._ckpt_id(self.latest_iteration)
         try:
             if self.repl_strategy is None:
@@ -338,15 +354,27 @@ class BaseCheckpointManager(ABC):
             raise ConfigurationError(f"ranks save different iterations: {iterations}")
         self.latest_iteration = -1
         self._drop_cache()
-        sources, ckpt_ids = self._copies(layout, self._ckpt_id(iteration))
-        write_fn, targets = self._write_request(iteration, ckpt_ids)
+        my_id = self._ckpt_id(iteration)
         self._inflight.add(iteration)
         finalize = functools.partial(self._finalize_save, iteration)
+        background = clique_for_background(self.repl_strategy) if is_async else None
+        if background is not None:
+            request = self._background_request(background, layout, my_id, finalize)
+            logger.info(
+                "local checkpoint %d: snapshot of %d bytes in %.3fs, replication in background",
+                iteration,
+                layout.size,
+                time.perf_counter() - started,
+            )
+            return request
+        self._background.drain(default_timeouts().finalize)
+        sources, ckpt_ids = self._copies(layout, my_id)
+        write_fn, targets = self._write_request(iteration, ckpt_ids)
         logger.info(
-            "local checkpoint %d: %d copies, %d bytes prepared in %.3fs",
+            "local checkpoint %d: %d copies of %d bytes prepared in %.3fs",
             iteration,
             len(sources),
-            sum(s.size if isinstance(s, ShardLayout) else s.numel() for s in sources),
+            layout.size,
             time.perf_counter() - started,
         )
         if is_async:
@@ -361,15 +389,43 @@ class BaseCheckpointManager(ABC):
         logger.info("local checkpoint %d saved in %.3fs", iteration, time.perf_counter() - started)
         return None
 
+    def _background_request(
+        self,
+        strategy: ReplicationStrategy,
+        layout: ShardLayout,
+        my_id: CkptID,
+        finalize: Callable[[], None],
+    ) -> AsyncRequest:
+        """Snapshot now; exchange and write in the trainer thread (see ``.._background``)."""
+        iteration = my_id[0]
+        buffer = serialize(layout)
+        status = self._status_path(iteration)
+        job = functools.partial(self._replicate_and_write, strategy, buffer, my_id, status)
+        self._background.submit(job)
+        return AsyncRequest(wait_for_status, (status, default_timeouts().finalize), [finalize])
+
+    def _replicate_and_write(
+        self, strategy: ReplicationStrategy, buffer: torch.Tensor, my_id: CkptID, status: str
+    ) -> None:
+        error: BaseException | None = None
+        try:
+            states, ids = strategy.replicate(ShardBuffer(buffer), my_id)
+            write_fn, targets = self._write_request(my_id[0], [_as_ckpt_id(i) for i in ids])
+            write_fn(targets, [_shard_bytes(s) for s in states])
+        except BaseException as exc:
+            error = exc
+            logger.error("replicated save of %s failed: %s", my_id, exc)
+            raise
+        finally:
+            write_status(status, error, sync=False)
+
     def _copies(
         self, layout: ShardLayout, my_id: CkptID
     ) -> tuple[list[ShardLayout | torch.Tensor], list[CkptID]]:
         if self.repl_strategy is None:
             return [layout], [my_id]
         states, ids = self.repl_strategy.replicate(ShardBuffer(serialize(layout)), my_id)
-        sources: list[ShardLayout | torch.Tensor] = [
-            s.data if isinstance(s, ShardBuffer) else serialize(plan_shard(s)) for s in states
-        ]
+        sources: list[ShardLayout | torch.Tensor] = [_shard_bytes(s) for s in states]
         return sources, [_as_ckpt_id(i) for i in ids]
 
     def _finalize_save(self, iteration: int) -> None:
@@ -378,7 +434,8 @@ class BaseCheckpointManager(ABC):
         except CheckpointingException:
             self._abandon(iteration)
             raise
-        self._inflight.discard(iteration)
+        # The queue finalizes in order: an older save not finalized by now has failed.
+        self._inflight = {i for i in self._inflight if i > iteration}
         self._newest_saved = max(self._newest_saved, iteration)
         self.latest_iteration = -1
         self._cleanup(iteration)

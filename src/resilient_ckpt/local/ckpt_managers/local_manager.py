@@ -29,11 +29,13 @@ from ..._logging import get_logger
 from ...async_ckpt._files import fsync_dir
 from ...errors import ConfigurationError, CorruptCheckpointError, StorageError
 from ...storage.posix import PosixBackend
+from .. import _deleter
 from .._format import read_verified
 from .._manifest import (
     DATA,
     DIRTY,
     MANIFEST,
+    STATUS,
     CopyInfo,
     Manifest,
     file_name,
@@ -103,9 +105,10 @@ class LocalCheckpointManager(BaseCheckpointManager):
         return self._backend.list(str(self.local_ckpt_dir))
 
     def _remove(self, name: str, why: str) -> None:
+        """Hide now, unlink in the background (see :mod:`.._deleter`)."""
         try:
-            self._backend.delete(self._path(name))
-            logger.info("removed %s (%s)", self._path(name), why)
+            _deleter.delete(self._path(name))
+            logger.info("removing %s (%s)", self._path(name), why)
         except OSError as exc:
             logger.warning("could not remove %s: %s", self._path(name), exc)
 
@@ -114,6 +117,9 @@ class LocalCheckpointManager(BaseCheckpointManager):
     def _list_copies(self, skip: set[int]) -> list[CopyInfo]:
         kinds: dict[tuple[int, int], set[str]] = defaultdict(set)
         for name in self._names():
+            if name.startswith(_deleter.PREFIX):
+                _deleter.unlink_later(self._path(name))
+                continue
             iteration = _file_iteration(name)
             if iteration is None or iteration in skip:
                 continue
@@ -130,8 +136,9 @@ class LocalCheckpointManager(BaseCheckpointManager):
         return copies
 
     def _classify(self, iteration: int, owner: int, found: set[str]) -> CopyInfo | None:
-        if DIRTY in found:
-            self._remove(file_name(iteration, owner, DIRTY), "dirty file of an interrupted save")
+        for kind in (DIRTY, STATUS):
+            if kind in found:
+                self._remove(file_name(iteration, owner, kind), "left by an interrupted save")
         if MANIFEST in found and DATA not in found:
             self._remove(file_name(iteration, owner, MANIFEST), "manifest of an uncommitted copy")
             return None
@@ -197,7 +204,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
             self._probed = True
         for name in self._names():
             parsed = parse_name(name)
-            if parsed is not None and parsed[2] != DIRTY and parsed[0] >= iteration:
+            if parsed is not None and parsed[2] in (DATA, MANIFEST) and parsed[0] >= iteration:
                 raise ConfigurationError(
                     f"iteration {iteration} is not newer than the local checkpoint file {name} "
                     f"in {directory}; call find_latest() first (it resumes from the newest "
@@ -229,7 +236,11 @@ class LocalCheckpointManager(BaseCheckpointManager):
         self._pending[iteration] = [owner for _, owner, _ in ckpt_ids]
         return write_copies, targets
 
+    def _status_path(self, iteration: int) -> str:
+        return self._path(file_name(iteration, self.rank, STATUS))
+
     def _commit(self, iteration: int) -> None:
+        self._backend.delete(self._status_path(iteration))
         for owner in self._pending.pop(iteration, []):
             dirty = self._path(file_name(iteration, owner, DIRTY))
             try:
