@@ -13,7 +13,8 @@ in the same run (medians of ``--repeats``):
 * load after deleting the directory of one member of every clique against a normal load
   of the same replicated checkpoint (target <= 1.5).
 
-Times are job times: from a barrier before the operation to a barrier after it. The page
+Times are job times: from a barrier before the operation to a barrier after it, after the
+previous operation's background deletions finished and dirty pages were synced. The page
 cache is dropped (``/proc/sys/vm/drop_caches``, needs root) before every cold read; where
 that is not permitted the read figures are warm and the table says so.
 
@@ -40,6 +41,7 @@ from resilient_ckpt.local import (
     BasicTensorAwareStateDict,
     CliqueReplicationStrategy,
     LocalCheckpointManager,
+    _deleter,
 )
 from resilient_ckpt.testing import launch
 
@@ -68,7 +70,14 @@ def drop_caches() -> bool:
     return bool(ok.item())
 
 
+def settle() -> None:
+    """Let the previous operation's background deletions and dirty pages finish first."""
+    _deleter.wait_idle()
+    os.sync()
+
+
 def timed(fn: Callable[[], Any]) -> float:
+    settle()
     dist.barrier()
     start = time.perf_counter()
     fn()
@@ -127,6 +136,7 @@ class Bench:
     def stall(self, name: str, mgr: LocalCheckpointManager, queue: AsyncCallsQueue) -> None:
         samples = []
         for _ in range(self.repeats + 1):
+            settle()
             dist.barrier()
             start = time.perf_counter()
             request = mgr.save(BasicTensorAwareStateDict(self.state), self.next_iteration(), True)

@@ -100,3 +100,12 @@ def test_shard_buffer_is_a_one_tensor_state():
     assert shard.data.numel() == 10
     shard.insert_tensors(popped)
     assert shard.data is data
+
+
+def test_a_shard_with_a_known_checksum_is_written_with_that_checksum():
+    buffer = serialize(plan_shard(BasicTensorAwareStateDict(_state())))
+    f = io.BytesIO()
+    assert stream_to(f, ShardBuffer(buffer, crc32=1234)) == (buffer.numel(), 1234)
+    assert f.getvalue() == bytes(buffer.numpy())
+    g = io.BytesIO()
+    assert stream_to(g, ShardBuffer(buffer)) == (buffer.numel(), zlib.crc32(f.getvalue()))

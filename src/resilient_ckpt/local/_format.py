@@ -191,8 +191,10 @@ def _chunks(view: memoryview) -> Iterator[memoryview]:
         yield view[start : start + CHUNK]
 
 
-def stream_to(f: IO[bytes], source: ShardLayout | torch.Tensor) -> tuple[int, int]:
+def stream_to(f: IO[bytes], source: ShardLayout | ShardBuffer | torch.Tensor) -> tuple[int, int]:
     """Write a shard (a layout, or a ready uint8 buffer) to ``f``; return (size, crc32)."""
+    if isinstance(source, ShardBuffer):
+        return _write_known(f, source)
     crc = CrcPipe()
     written = 0
     try:
@@ -216,6 +218,15 @@ def stream_to(f: IO[bytes], source: ShardLayout | torch.Tensor) -> tuple[int, in
     finally:
         value = crc.result()
     return written, value
+
+
+def _write_known(f: IO[bytes], shard: ShardBuffer) -> tuple[int, int]:
+    """Write a serialized shard; its CRC is the owner's if known, else computed here."""
+    if shard.crc32 is None:
+        return stream_to(f, shard.data)
+    for chunk in _chunks(_bytes_view(shard.data.cpu())):
+        f.write(chunk)
+    return shard.data.numel(), shard.crc32
 
 
 def read_verified(path: str, size: int, crc32: int) -> torch.Tensor:
@@ -291,9 +302,12 @@ class ShardBuffer(TensorAwareStateDict):
     ``TensorAwareStateDict`` moves a whole shard as one flat buffer, in one message per peer.
     """
 
-    def __init__(self, data: torch.Tensor) -> None:
+    def __init__(self, data: torch.Tensor, crc32: int | None = None) -> None:
         self._data: torch.Tensor | None = data
         self._nbytes = int(data.numel())
+        # The CRC-32 of ``data`` as computed by the shard's owner, when known: replicas are
+        # recorded with the owner's value, so a copy damaged in transit fails verification.
+        self.crc32 = crc32
 
     @property
     def data(self) -> torch.Tensor:

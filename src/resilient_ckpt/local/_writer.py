@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
+from ..async_ckpt._files import temp_name
 from ..errors import SameMachineReplicationException, StorageError
-from ..storage.posix import PosixBackend
-from ._format import ShardLayout, stream_to
+from ._format import ShardBuffer, ShardLayout, stream_to
 from ._manifest import DATA, DIRTY, MANIFEST, Manifest, file_name
 
-Source = ShardLayout | torch.Tensor
+Source = ShardLayout | ShardBuffer | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,25 @@ def _write_copy(target: CopyTarget, source: Source) -> None:
     except OSError as exc:
         raise StorageError(f"writing local checkpoint {dirty} failed: {exc}") from exc
     manifest = dataclasses.replace(target.manifest, size=size, crc32=crc)
-    with PosixBackend().open_write(target.path(MANIFEST), sync=target.sync) as f:
-        f.write(manifest.to_json())
+    _write_manifest(target.path(MANIFEST), manifest.to_json(), target.sync)
+
+
+def _write_manifest(path: str, body: bytes, sync: bool) -> None:
+    """Temporary name, fsync, rename. No directory fsync here: the commit's covers it."""
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def write_copies(targets: Sequence[CopyTarget], sources: Sequence[Source]) -> None:
@@ -87,6 +104,8 @@ def on_host(sources: Sequence[Source]) -> list[Source]:
     for source in sources:
         if isinstance(source, torch.Tensor):
             result.append(source.cpu())
+        elif isinstance(source, ShardBuffer):
+            result.append(ShardBuffer(source.data.cpu(), source.crc32))
         else:
             tensors = [t.detach().cpu() for t in source.tensors]
             result.append(dataclasses.replace(source, tensors=tensors))

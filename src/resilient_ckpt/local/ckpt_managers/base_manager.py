@@ -53,9 +53,17 @@ from ...errors import (
 )
 from .._agreement import agree, agree_gather
 from .._background import BackgroundSaves, clique_for_background, wait_for_status, write_status
-from .._format import ShardBuffer, ShardLayout, crc_of, deserialize, plan_shard, serialize
+from .._format import (
+    ShardBuffer,
+    ShardLayout,
+    crc_of,
+    deserialize,
+    plan_shard,
+    serialize,
+    write_into,
+)
 from .._manifest import CopyInfo
-from .._writer import on_host
+from .._writer import Source, on_host
 from ..base_state_dict import TensorAwareStateDict
 from ..replication.strategies import ReplicationStrategy
 from . import _catalogue
@@ -78,8 +86,9 @@ def _as_ckpt_id(value: Hashable) -> CkptID:
     return (int(value[0]), int(value[1]), value[2])
 
 
-def _shard_bytes(state: TensorAwareStateDict) -> torch.Tensor:
-    return state.data if isinstance(state, ShardBuffer) else serialize(plan_shard(state))
+def _shard_bytes(state: TensorAwareStateDict) -> ShardBuffer:
+    """A copy to write: received shards as they are, other states serialized."""
+    return state if isinstance(state, ShardBuffer) else ShardBuffer(serialize(plan_shard(state)))
 
 
 class BaseCheckpointManager(ABC):
@@ -368,26 +377,31 @@ class BaseCheckpointManager(ABC):
             )
             return request
         self._background.drain(default_timeouts().finalize)
-        sources, ckpt_ids = self._copies(layout, my_id)
-        write_fn, targets = self._write_request(iteration, ckpt_ids)
-        logger.info(
-            "local checkpoint %d: %d copies of %d bytes prepared in %.3fs",
-            iteration,
-            len(sources),
-            layout.size,
-            time.perf_counter() - started,
-        )
         if is_async:
+            sources, ckpt_ids = self._copies(layout, my_id, None)
+            write_fn, targets = self._write_request(iteration, ckpt_ids)
             preload = functools.partial(on_host, sources)
             return AsyncRequest(write_fn, (targets, sources), [finalize], preload_fn=preload)
-        try:
-            agree("local checkpoint write", lambda: write_fn(targets, sources))
-        except CheckpointingException:
-            self._abandon(iteration)
-            raise
+        self._save_now(layout, my_id)
         finalize()
         logger.info("local checkpoint %d saved in %.3fs", iteration, time.perf_counter() - started)
         return None
+
+    def _save_now(self, layout: ShardLayout, my_id: CkptID) -> None:
+        """Replicate (if configured) and write every copy, agreed across ranks."""
+        pooled = None
+        if self.repl_strategy is not None:
+            pooled = self._background.acquire(layout.size, default_timeouts().finalize)
+        try:
+            sources, ckpt_ids = self._copies(layout, my_id, pooled)
+            write_fn, targets = self._write_request(my_id[0], ckpt_ids)
+            agree("local checkpoint write", lambda: write_fn(targets, sources))
+        except CheckpointingException:
+            self._abandon(my_id[0])
+            raise
+        finally:
+            if pooled is not None:
+                self._background.release(pooled)
 
     def _background_request(
         self,
@@ -398,7 +412,8 @@ class BaseCheckpointManager(ABC):
     ) -> AsyncRequest:
         """Snapshot now; exchange and write in the trainer thread (see ``.._background``)."""
         iteration = my_id[0]
-        buffer = serialize(layout)
+        buffer = self._background.acquire(layout.size, default_timeouts().finalize)
+        write_into(layout, buffer)
         status = self._status_path(iteration)
         job = functools.partial(self._replicate_and_write, strategy, buffer, my_id, status)
         self._background.submit(job)
@@ -409,7 +424,7 @@ class BaseCheckpointManager(ABC):
     ) -> None:
         error: BaseException | None = None
         try:
-            states, ids = strategy.replicate(ShardBuffer(buffer), my_id)
+            states, ids = strategy.replicate(ShardBuffer(buffer, crc_of(buffer)), my_id)
             write_fn, targets = self._write_request(my_id[0], [_as_ckpt_id(i) for i in ids])
             write_fn(targets, [_shard_bytes(s) for s in states])
         except BaseException as exc:
@@ -417,15 +432,22 @@ class BaseCheckpointManager(ABC):
             logger.error("replicated save of %s failed: %s", my_id, exc)
             raise
         finally:
+            self._background.release(buffer)
             write_status(status, error, sync=False)
 
     def _copies(
-        self, layout: ShardLayout, my_id: CkptID
-    ) -> tuple[list[ShardLayout | torch.Tensor], list[CkptID]]:
+        self, layout: ShardLayout, my_id: CkptID, buffer: torch.Tensor | None
+    ) -> tuple[list[Source], list[CkptID]]:
+        """The copies this rank writes: its layout, or (replicated) every clique member's
+        serialized shard; ``buffer`` receives this rank's serialization if given."""
         if self.repl_strategy is None:
             return [layout], [my_id]
-        states, ids = self.repl_strategy.replicate(ShardBuffer(serialize(layout)), my_id)
-        sources: list[ShardLayout | torch.Tensor] = [_shard_bytes(s) for s in states]
+        if buffer is None:
+            buffer = serialize(layout)
+        else:
+            write_into(layout, buffer)
+        states, ids = self.repl_strategy.replicate(ShardBuffer(buffer, crc_of(buffer)), my_id)
+        sources: list[Source] = [_shard_bytes(s) for s in states]
         return sources, [_as_ckpt_id(i) for i in ids]
 
     def _finalize_save(self, iteration: int) -> None:

@@ -73,9 +73,9 @@ def _to_buffer(state: TensorAwareStateDict) -> tuple[torch.Tensor, int]:
     return serialize(plan_shard(state)), _STATE
 
 
-def _from_buffer(buf: torch.Tensor, kind: int) -> TensorAwareStateDict:
+def _from_buffer(buf: torch.Tensor, kind: int, crc32: int | None = None) -> TensorAwareStateDict:
     if kind == _RAW:
-        return ShardBuffer(buf)
+        return ShardBuffer(buf, crc32)
     state = deserialize(buf.cpu())
     state.restore_tensor_device(non_blocking=False)
     return state
@@ -156,12 +156,13 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         self, local_ckpt: TensorAwareStateDict, id_: Hashable
     ) -> tuple[list[TensorAwareStateDict], list[Hashable]]:
         buf, kind = _to_buffer(local_ckpt)
-        described = self.local_group.all_gather_object((int(buf.numel()), id_, kind))
+        crc = local_ckpt.crc32 if isinstance(local_ckpt, ShardBuffer) else None
+        described = self.local_group.all_gather_object((int(buf.numel()), id_, kind, crc))
         sizes = [d[0] for d in described]
         buffers = self.local_group.broadcast_buffers(buf, sizes, "cpu")
         me = self.local_group.ranks.index(self.local_group.my_rank)
         states = [
-            local_ckpt if i == me else _from_buffer(b, d[2])
+            local_ckpt if i == me else _from_buffer(b, d[2], d[3])
             for i, (b, d) in enumerate(zip(buffers, described, strict=True))
         ]
         logger.debug(
