@@ -39,17 +39,17 @@ K = 100
 VICTIM = 2
 
 
-def write_then_stall(write_fn, marker: str, targets, sources) -> None:
-    """async_fn wrapper: write the copies, say so, then hang as a slow disk would."""
-    write_fn(targets, sources)
+def write_then_stall(async_fn, marker: str, *args) -> None:
+    """async_fn wrapper: finish the save's background part, say so, then hang (slow disk)."""
+    async_fn(*args)
     with open(marker, "w"):
         pass
     time.sleep(600)
 
 
-def write_then_die(write_fn, victim: int, rank: int, targets, sources) -> None:
-    """async_fn wrapper: the worker of ``victim`` dies after writing its dirty files."""
-    write_fn(targets, sources)
+def write_then_die(async_fn, victim: int, rank: int, *args) -> None:
+    """async_fn wrapper: the worker of ``victim`` dies once the dirty files are written."""
+    async_fn(*args)
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
 

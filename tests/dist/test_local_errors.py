@@ -9,14 +9,22 @@ read-only tmpfs (mounted by the test when the machine allows it, skipped otherwi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 
 import pytest
 
-from resilient_ckpt.errors import CheckpointingException, ConfigurationError, StorageError
+from resilient_ckpt.async_ckpt.core import AsyncCallsQueue
+from resilient_ckpt.errors import (
+    CheckpointingException,
+    ConfigurationError,
+    StorageError,
+    WorkerError,
+)
 from resilient_ckpt.local import BasicTensorAwareStateDict, CliqueReplicationStrategy
+from resilient_ckpt.local._background import wait_for_status
 from resilient_ckpt.testing import launch
 
 from .local_ckpt_utils import barrier, load_fresh, make_state, manager, rank_dir, strategy
@@ -94,8 +102,32 @@ def _mismatched_manifests(rank: int, root: str) -> None:
     _raises(ConfigurationError, manager(base, narrow).find_latest, "8 ranks", "this job has 4")
 
 
+def _injected_failure(targets, sources) -> None:
+    raise OSError("injected disk failure")
+
+
+def _background_failure(rank: int, root: str) -> None:
+    """A write failing in one rank's replication thread fails the request on every rank."""
+    base = os.path.join(root, "d")
+    mgr = manager(base, strategy((1, 2)))
+    if rank == 1:
+        real = mgr._write_request
+        mgr._write_request = lambda it, ids: (_injected_failure, real(it, ids)[1])  # type: ignore[method-assign]
+    queue = AsyncCallsQueue(persistent=False)
+    request = mgr.save(BasicTensorAwareStateDict(make_state(rank, 1)), 1, is_async=True)
+    assert request.async_fn is wait_for_status  # the replicated async path
+    queue.schedule_async_request(request)
+    finalize = functools.partial(queue.maybe_finalize_async_calls, blocking=True)
+    _raises(WorkerError, finalize, "rank(s) [1]", "injected disk failure")
+    queue.close()
+    mgr._write_request = type(mgr)._write_request.__get__(mgr)  # type: ignore[method-assign]
+    _save(mgr, rank, 2)()
+    assert load_fresh(base, strategy((1, 2)))[0] == 2
+
+
 def _errors(rank: int, world_size: int, root: str, ro_root: str | None) -> bool:
     _bad_requests(rank, root)
+    _background_failure(rank, root)
     _unwritable(rank, root, ro_root)
     _mismatched_manifests(rank, root)
     return True
