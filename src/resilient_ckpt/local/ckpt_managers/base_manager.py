@@ -413,7 +413,11 @@ class BaseCheckpointManager(ABC):
         """Snapshot now; exchange and write in the trainer thread (see ``.._background``)."""
         iteration = my_id[0]
         buffer = self._background.acquire(layout.size, default_timeouts().finalize)
-        write_into(layout, buffer)
+        try:
+            write_into(layout, buffer)
+        except BaseException:
+            self._background.release(buffer)
+            raise
         status = self._status_path(iteration)
         job = functools.partial(self._replicate_and_write, strategy, buffer, my_id, status)
         self._background.submit(job)
