@@ -37,6 +37,7 @@ import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -217,31 +218,63 @@ class BaseCheckpointManager(ABC):
         self._verified[self._ckpt_id(copy.iteration, copy.owner)] = buffer
         return True
 
+    def _first_round(self, holder: int, iteration: int, use_replicas: bool) -> list[CopyInfo]:
+        """Copies ``holder`` verifies first: its own, and replicas of owners that hold none.
+
+        Decided from the catalogue alone, so every rank knows every rank's choice. After a
+        node loss this reads the lost shards at once, in parallel with the holder's own.
+        """
+        copies = _catalogue.copies_of(self._catalogue, holder, iteration)
+        if not use_replicas:
+            return [c for c in copies if c.owner == holder]
+        present = {
+            r
+            for r in range(self.world_size)
+            if _catalogue.find_copy(self._catalogue, r, iteration, r) is not None
+        }
+        return [c for c in copies if c.owner == holder or c.owner not in present]
+
+    def _verify_all(self, copies: list[CopyInfo]) -> list[int]:
+        """Owners of the ``copies`` whose checksums verify (read in parallel)."""
+        if len(copies) <= 1:
+            return [c.owner for c in copies if self._try_verify(c)]
+        with ThreadPoolExecutor(min(len(copies), 4), "resilient_ckpt-verify") as pool:
+            results = list(pool.map(self._try_verify, copies))
+        return [c.owner for c, ok in zip(copies, results, strict=True) if ok]
+
     def _verify_iteration(
         self, iteration: int, use_replicas: bool
     ) -> dict[int, list[CkptID]] | None:
-        """Holders of a verified copy of each shard (by rank), or None if a shard has none."""
+        """Holders of a verified copy of each shard (by rank), or None if a shard has none.
+
+        Round one verifies the copies of :meth:`_first_round`; a second round, only if some
+        shard is still without a verified copy (a corrupt owner copy), verifies the other
+        replicas of those shards.
+        """
         me, world = self.rank, self.world_size
-        own = _catalogue.find_copy(self._catalogue, me, iteration, me)
-        _, own_ok = agree_gather(
-            "local checkpoint verification",
-            lambda: (None, own is not None and self._try_verify(own)),
+        first = self._first_round(me, iteration, use_replicas)
+        _, verified = agree_gather(
+            "local checkpoint verification", lambda: (None, self._verify_all(first))
         )
-        owners_by_holder: list[list[int]] = [[r] if own_ok[r] else [] for r in range(world)]
-        missing = [r for r in range(world) if not own_ok[r]]
-        if missing and use_replicas:
-            mine = [
+        owners_by_holder: list[list[int]] = [list(v) for v in verified]
+        missing = [r for r in range(world) if not any(r in v for v in verified)]
+        untried = [
+            [
                 c
-                for c in _catalogue.copies_of(self._catalogue, me, iteration)
+                for c in _catalogue.copies_of(self._catalogue, holder, iteration)
                 if c.owner in missing
+                and c not in self._first_round(holder, iteration, use_replicas)
             ]
-            _, replicas_ok = agree_gather(
+            for holder in range(world)
+        ]
+        if use_replicas and any(untried):
+            _, more = agree_gather(
                 "local checkpoint replica verification",
-                lambda: (None, [c.owner for c in mine if self._try_verify(c)]),
+                lambda: (None, self._verify_all(untried[me])),
             )
-            for holder, owners in enumerate(replicas_ok):
+            for holder, owners in enumerate(more):
                 owners_by_holder[holder].extend(owners)
-            missing = [r for r in missing if not any(r in o for o in replicas_ok)]
+            missing = [r for r in missing if not any(r in o for o in more)]
         if missing:
             logger.warning(
                 "iteration %d is not complete: no valid copy of the shard(s) of rank(s) %s",
