@@ -411,7 +411,7 @@ class BaseCheckpointManager(ABC):
             return request
         self._background.drain(default_timeouts().finalize)
         if is_async:
-            sources, ckpt_ids = self._copies(layout, my_id, None)
+            sources, ckpt_ids = self._copies(layout, my_id)
             write_fn, targets = self._write_request(iteration, ckpt_ids)
             preload = functools.partial(on_host, sources)
             return AsyncRequest(write_fn, (targets, sources), [finalize], preload_fn=preload)
@@ -422,19 +422,43 @@ class BaseCheckpointManager(ABC):
 
     def _save_now(self, layout: ShardLayout, my_id: CkptID) -> None:
         """Replicate (if configured) and write every copy, agreed across ranks."""
-        pooled = None
-        if self.repl_strategy is not None:
-            pooled = self._background.acquire(layout.size, default_timeouts().finalize)
+        strategy = self.repl_strategy
         try:
-            sources, ckpt_ids = self._copies(layout, my_id, pooled)
-            write_fn, targets = self._write_request(my_id[0], ckpt_ids)
-            agree("local checkpoint write", lambda: write_fn(targets, sources))
+            if strategy is None:
+                write_fn, targets = self._write_request(my_id[0], [my_id])
+                agree("local checkpoint write", lambda: write_fn(targets, [layout]))
+                return
+            buffer = self._background.acquire(layout.size, default_timeouts().finalize)
+            try:
+                write_into(layout, buffer)
+                own = ShardBuffer(buffer, crc_of(buffer))
+                agree(
+                    "local checkpoint write",
+                    lambda: self._exchange_and_write(strategy, own, my_id),
+                )
+            finally:
+                self._background.release(buffer)
         except CheckpointingException:
             self._abandon(my_id[0])
             raise
-        finally:
-            if pooled is not None:
-                self._background.release(pooled)
+
+    def _exchange_and_write(
+        self, strategy: ReplicationStrategy, own: ShardBuffer, my_id: CkptID
+    ) -> None:
+        """Replicate ``own`` and write every copy; this rank's own copy is written while
+        the exchange runs (disk and network in parallel)."""
+        iteration = my_id[0]
+        write_fn, own_target = self._write_request(iteration, [my_id])
+        with ThreadPoolExecutor(1, "resilient_ckpt-own-copy") as pool:
+            own_written = pool.submit(write_fn, own_target, [own])
+            states, ids = strategy.replicate(own, my_id)
+            ckpt_ids = [_as_ckpt_id(i) for i in ids]
+            if len(set(ckpt_ids)) != len(ckpt_ids) or my_id not in ckpt_ids:
+                raise SameMachineReplicationException(my_id)
+            write_fn, targets = self._write_request(iteration, ckpt_ids)
+            peers = [(t, s) for t, s in zip(targets, states, strict=True) if t.ckpt_id != my_id]
+            write_fn([t for t, _ in peers], [_shard_bytes(s) for _, s in peers])
+            own_written.result()
 
     def _background_request(
         self,
@@ -461,9 +485,7 @@ class BaseCheckpointManager(ABC):
     ) -> None:
         error: BaseException | None = None
         try:
-            states, ids = strategy.replicate(ShardBuffer(buffer, crc_of(buffer)), my_id)
-            write_fn, targets = self._write_request(my_id[0], [_as_ckpt_id(i) for i in ids])
-            write_fn(targets, [_shard_bytes(s) for s in states])
+            self._exchange_and_write(strategy, ShardBuffer(buffer, crc_of(buffer)), my_id)
         except BaseException as exc:
             error = exc
             logger.error("replicated save of %s failed: %s", my_id, exc)
@@ -472,17 +494,12 @@ class BaseCheckpointManager(ABC):
             self._background.release(buffer)
             write_status(status, error, sync=False)
 
-    def _copies(
-        self, layout: ShardLayout, my_id: CkptID, buffer: torch.Tensor | None
-    ) -> tuple[list[Source], list[CkptID]]:
-        """The copies this rank writes: its layout, or (replicated) every clique member's
-        serialized shard; ``buffer`` receives this rank's serialization if given."""
+    def _copies(self, layout: ShardLayout, my_id: CkptID) -> tuple[list[Source], list[CkptID]]:
+        """What an async save's worker writes: this rank's layout or, replicated (inline
+        exchange), every clique member's serialized shard."""
         if self.repl_strategy is None:
             return [layout], [my_id]
-        if buffer is None:
-            buffer = serialize(layout)
-        else:
-            write_into(layout, buffer)
+        buffer = serialize(layout)
         states, ids = self.repl_strategy.replicate(ShardBuffer(buffer, crc_of(buffer)), my_id)
         sources: list[Source] = [_shard_bytes(s) for s in states]
         return sources, [_as_ckpt_id(i) for i in ids]
