@@ -15,6 +15,9 @@ RESILIENT_CKPT_COLLECTIVE_TIMEOUT      the library's gloo group collectives     
 RESILIENT_CKPT_SHUTDOWN_TIMEOUT        close(): drain before terminate/kill        30 s
 RESILIENT_CKPT_POLL_INTERVAL           sleep between polls of a blocking wait      0.05 s
 =====================================  ==========================================  =======
+
+:func:`local_world_size` reads the launcher's ``LOCAL_WORLD_SIZE`` (ranks per node, set by
+``torchrun``), which sizes the default replication jump of local checkpoints.
 """
 
 from __future__ import annotations
@@ -68,3 +71,17 @@ def default_timeouts() -> Timeouts:
         shutdown=_env_float("SHUTDOWN_TIMEOUT", base.shutdown),
         poll_interval=_env_float("POLL_INTERVAL", base.poll_interval),
     )
+
+
+def local_world_size() -> int | None:
+    """Ranks per node from ``LOCAL_WORLD_SIZE`` (torchrun, Slurm wrappers); None if unset."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ConfigurationError(f"LOCAL_WORLD_SIZE={raw!r} is not an integer") from exc
+    if value < 1:
+        raise ConfigurationError(f"LOCAL_WORLD_SIZE must be >= 1, got {value}")
+    return value

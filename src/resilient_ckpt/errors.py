@@ -93,3 +93,24 @@ class CorruptCheckpointError(CheckpointingException):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class SameMachineReplicationException(CheckpointingException):
+    """A local checkpoint write would overwrite an existing copy of the same checkpoint.
+
+    NVRx name and signature. Raised when one rank is asked to store two copies of one
+    checkpoint id (a replication strategy whose cliques overlap), or when the file already
+    exists in committed form.
+    """
+
+    def __init__(self, ckpt_id: object) -> None:
+        super().__init__(
+            f"checkpoint {ckpt_id!r} already exists on this machine; a rank cannot hold two "
+            "copies of one shard (check the replication groups) and a committed iteration is "
+            "never overwritten"
+        )
+        self.ckpt_id = ckpt_id
+
+
+class NoReplicasAvailableError(CheckpointingException):
+    """No rank of the replication group holds a valid copy of a requested checkpoint shard."""

@@ -1,0 +1,1 @@
+"""Checkpoint managers for local checkpoints (NVRx module layout)."""

@@ -1,0 +1,1 @@
+"""Replication of local checkpoints between ranks (NVRx module layout)."""

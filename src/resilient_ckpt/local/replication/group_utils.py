@@ -1,0 +1,185 @@
+"""Replication groups and the byte exchanges inside one group.
+
+Decision: everything that crosses the network is a *whole flat byte buffer* per shard: one
+broadcast per clique member when replicating, one point-to-point message per (sender,
+receiver) pair when retrieving. NVRx sends one message per tensor; a real state has
+thousands of tensors, and each message costs a round trip and a small-buffer copy. The
+buffers are uint8 tensors, so the same code runs over gloo (CPU tensors) and NCCL (the
+buffer is moved to the current CUDA device for the transfer and back to the target device
+afterwards).
+
+Sizes travel first (an ``all_gather_object`` of a few integers, or a two-integer message
+per transfer), so every receiver allocates exactly the bytes it gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...errors import CheckpointingException, ConfigurationError
+
+
+def parse_group_sequence(
+    replication_jump: int, replication_factor: int, world_size: int
+) -> list[list[int]]:
+    """The cliques ``{n, n+J, ..., n+(F-1)J}`` covering ``range(world_size)``, sorted.
+
+    ``world_size`` must be divisible by ``J*F``; ranks ``b, b+J, b+2J, ...`` (for each
+    ``b < J``) are cut into consecutive runs of ``F``.
+    """
+    for name, value in (
+        ("replication_jump", replication_jump),
+        ("replication_factor", replication_factor),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+    if world_size % (replication_jump * replication_factor) != 0:
+        raise ConfigurationError(
+            f"cannot split {world_size} ranks into replication cliques of "
+            f"replication_factor={replication_factor} ranks spaced replication_jump="
+            f"{replication_jump} apart: the world size must be divisible by jump*factor="
+            f"{replication_jump * replication_factor}"
+        )
+    cliques = []
+    for base in range(replication_jump):
+        column = list(range(base, world_size, replication_jump))
+        for start in range(0, len(column), replication_factor):
+            cliques.append(column[start : start + replication_factor])
+    return sorted(cliques)
+
+
+@dataclass(frozen=True)
+class ExchangePlanEntry:
+    """``sender`` gives its copy of ``id_`` to ``receiver`` (global ranks)."""
+
+    sender: int
+    receiver: int
+    id_: Hashable
+
+
+@dataclass
+class ExchangePlan:
+    """Who sends which checkpoint id to whom; identical on every member of ``group``."""
+
+    group: CliqueGroup
+    _entries: list[ExchangePlanEntry] = field(default_factory=list)
+
+    def plan(self, sender: int, receiver: int, id_: Hashable) -> None:
+        self._entries.append(ExchangePlanEntry(sender, receiver, id_))
+
+    @property
+    def entries(self) -> tuple[ExchangePlanEntry, ...]:
+        return tuple(self._entries)
+
+    def required_ids(self, rank: int | None = None) -> set[Hashable]:
+        """Ids that ``rank`` (default: this process) must provide."""
+        rank = self.group.my_rank if rank is None else rank
+        return {e.id_ for e in self._entries if e.sender == rank}
+
+
+class CliqueGroup:
+    """A process group (``None``: the whole world) with buffer-level exchanges."""
+
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigurationError(
+                "replication needs torch.distributed to be initialised (init_process_group) "
+                "before the replication strategy is used"
+            )
+        self.group = group
+
+    @staticmethod
+    def wrap(group: Any) -> CliqueGroup:
+        return group if isinstance(group, CliqueGroup) else CliqueGroup(group)
+
+    @property
+    def ranks(self) -> list[int]:
+        if self.group is None:
+            return list(range(dist.get_world_size()))
+        return list(dist.get_process_group_ranks(self.group))
+
+    @property
+    def my_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.group))
+
+    @property
+    def comm_device(self) -> torch.device:
+        if "gloo" in self.backend or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_buffers(
+        self, mine: torch.Tensor, sizes: Sequence[int], target_device: Any = "cpu"
+    ) -> list[torch.Tensor]:
+        """Every member's buffer, in clique order (``sizes``: every member's byte count)."""
+        device = self.comm_device
+        result = []
+        for position, src in enumerate(self.ranks):
+            if src == self.my_rank:
+                buf = mine if mine.device == device else mine.to(device)
+            else:
+                buf = torch.empty(int(sizes[position]), dtype=torch.uint8, device=device)
+            dist.broadcast(buf, src=src, group=self.group)
+            result.append(mine if src == self.my_rank else buf.to(target_device))
+        return result
+
+    def _p2p(self, ops: list[Any]) -> None:
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def execute_plan(
+        self, plan: ExchangePlan, mine: Mapping[Hashable, tuple[torch.Tensor, int]]
+    ) -> dict[Hashable, tuple[torch.Tensor, int]]:
+        """Carry out ``plan``; ``mine`` maps ids to (buffer, kind) this rank must send.
+
+        Returns (buffer, kind) for every id this rank receives (from itself or a peer).
+        """
+        me, device = self.my_rank, self.comm_device
+        missing = plan.required_ids(me) - set(mine)
+        if missing:
+            raise CheckpointingException(f"rank {me} must send ids it was not given: {missing}")
+        result: dict[Hashable, tuple[torch.Tensor, int]] = {}
+        headers: dict[int, torch.Tensor] = {}
+        ops = []
+        for tag, entry in enumerate(plan.entries):
+            if entry.sender == entry.receiver == me:
+                result[entry.id_] = mine[entry.id_]
+            elif entry.sender == me:
+                buf, kind = mine[entry.id_]
+                header = torch.tensor([buf.numel(), kind], dtype=torch.int64, device=device)
+                ops.append(dist.P2POp(dist.isend, header, entry.receiver, self.group, tag))
+            elif entry.receiver == me:
+                headers[tag] = torch.empty(2, dtype=torch.int64, device=device)
+                ops.append(dist.P2POp(dist.irecv, headers[tag], entry.sender, self.group, tag))
+        self._p2p(ops)
+        ops, received = [], {}
+        for tag, entry in enumerate(plan.entries):
+            if entry.sender == me != entry.receiver:
+                buf = mine[entry.id_][0].to(device)
+                ops.append(dist.P2POp(dist.isend, buf, entry.receiver, self.group, tag))
+            elif entry.receiver == me != entry.sender:
+                size, kind = (int(v) for v in headers[tag].tolist())
+                buf = torch.empty(size, dtype=torch.uint8, device=device)
+                received[entry.id_] = (buf, kind)
+                ops.append(dist.P2POp(dist.irecv, buf, entry.sender, self.group, tag))
+        self._p2p(ops)
+        result.update({k: (b.cpu(), kind) for k, (b, kind) in received.items()})
+        return result
+
+    def __repr__(self) -> str:
+        return f"CliqueGroup(ranks={self.ranks}, backend={self.backend})"
