@@ -20,7 +20,12 @@ from typing import Any
 
 from .._logging import get_logger
 from ..config import Timeouts
-from ..errors import CheckpointTimeoutError, ConfigurationError, WorkerDiedError
+from ..errors import (
+    CheckpointingException,
+    CheckpointTimeoutError,
+    ConfigurationError,
+    WorkerDiedError,
+)
 from . import _completion, _worker
 from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
@@ -208,6 +213,11 @@ class PersistentAsyncCaller(AsyncCaller):
                 )
                 self._attached.add(staged.arena.arena_id)
             channel.send(Submit(call_idx, arena_id, staged.slots, staged.payload))
+        except CheckpointingException:
+            # Ours already say what happened (note: CheckpointTimeoutError is an OSError).
+            if staged.arena is not None:
+                self._pool.release(staged.arena.arena_id)
+            raise
         except OSError as exc:
             code = self.process.exitcode if self.process is not None else None
             self._reap()
