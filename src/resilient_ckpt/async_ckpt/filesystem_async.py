@@ -2,9 +2,11 @@
 
 Call protocol (every rank; "trainer" is the training process):
 
-1. ``set_up_storage_writer`` (trainer, from planning): creates the directory, checks it is
-   writable; on the coordinator, removes a previous commit record (``.metadata``) so the
-   directory reads as "no checkpoint" while it is rewritten.
+0. The constructor checks the path (not a file; the directory, or the ancestor it will be
+   created in, is writable), so a bad path fails on the spot, outside any collective.
+1. ``set_up_storage_writer`` (trainer, from planning): creates the directory; on the
+   coordinator, removes a previous commit record (``.metadata``) so the directory reads as
+   "no checkpoint" while it is rewritten.
 2. ``prepare_local_plan`` / ``prepare_global_plan`` (trainer, planning): as torch's writer.
 3. ``prepare_write_data(plan, planner)`` (trainer): resolves every item of the final plan to
    a tensor or a byte buffer and groups them into write buckets, one per data file, balanced
@@ -49,7 +51,7 @@ from torch.futures import Future
 
 from .._logging import get_logger
 from ..errors import CheckpointExistsError, CheckpointWriteError, ConfigurationError, StorageError
-from ..storage import PosixBackend, get_backend, is_url
+from ..storage import PosixBackend, get_backend
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
@@ -150,11 +152,12 @@ class FileSystemWriterAsync(FileSystemWriter):
             raise ConfigurationError(
                 f"FileSystemWriterAsync writes the torch_save format only, got {fmt!r}"
             )
-        if not is_url(checkpoint_dir) and os.path.exists(checkpoint_dir):
-            if not os.path.isdir(checkpoint_dir):
+        if isinstance(self._backend, PosixBackend):
+            if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
                 raise ConfigurationError(
                     f"checkpoint path {checkpoint_dir!r} exists and is not a directory"
                 )
+            _probe_writable(_nearest_existing_dir(checkpoint_dir))
 
     # -- planning (trainer) -----------------------------------------------------------------
 
@@ -166,8 +169,6 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     def _prepare_directory(self) -> None:
         self._backend.makedirs(self.checkpoint_dir)
-        if isinstance(self._backend, PosixBackend):
-            _probe_writable(self.checkpoint_dir)
         if not self.is_coordinator:
             return
         commit = self._backend.join(self.checkpoint_dir, METADATA_NAME)
@@ -368,8 +369,17 @@ def _resolve(items: list, planner: SavePlanner) -> tuple[list, list]:
     return bytes_data, tensor_data
 
 
+def _nearest_existing_dir(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def _probe_writable(directory: str) -> None:
-    """Create and remove a file: the only reliable check (root ignores permission bits)."""
+    """Create and remove a file in ``directory`` (the checkpoint directory or the ancestor
+    it will be created in): the one reliable check, as root ignores permission bits. Done
+    once, when the writer is made, so a bad path fails there, before any collective."""
     try:
         fd, probe = tempfile.mkstemp(prefix=".resilient_ckpt_probe-", dir=directory)
     except OSError as exc:
