@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner
 
 from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
@@ -51,10 +51,12 @@ def _zeros_like(state: dict) -> dict:
     return {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in state.items()}
 
 
-def _save(state: dict, path, writer_cls=FileSystemWriterAsync, cache=None, **kwargs) -> None:
+def _save(
+    state: dict, path, writer_cls=FileSystemWriterAsync, cache=None, planner=None, **kwargs
+) -> None:
     writer = writer_cls(str(path), **kwargs)
     plan_ret = save_state_dict_async_plan(
-        state, writer, enable_cache=cache is not None, metadata_cache=cache
+        state, writer, planner=planner, enable_cache=cache is not None, metadata_cache=cache
     )
     save_fn, preload_fn, args = writer.get_save_function_and_args()
     request = AsyncRequest(
@@ -260,3 +262,39 @@ def test_cached_reader_is_invalidated_when_directory_is_rewritten(tmp_path, monk
     CachedMetadataFileSystemReader(str(path)).read_metadata()
     CachedMetadataFileSystemReader(str(path), cache_metadata=False).read_metadata()
     assert len(loads) == 3
+
+
+def test_writer_also_works_with_dcp_save_and_torch_checkpoints_verify(tmp_path) -> None:
+    state = _state()
+    dcp.save(state, storage_writer=FileSystemWriterAsync(str(tmp_path / "ours"), thread_count=3))
+    _assert_same(state, _load(state, tmp_path / "ours"))
+    assert verify_checkpoint(str(tmp_path / "ours")).checksummed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "torch")))
+    report = verify_checkpoint(str(tmp_path / "torch"))
+    assert not report.checksummed and report.nbytes > 0
+
+
+class _DecentralizedPlanner(DefaultSavePlanner):
+    """Plans each rank on its own (as Megatron's planner does); fine for one rank."""
+
+    can_run_decentralized_global_plan = True
+
+    def create_decentralized_global_plan(self, local_plan):
+        return local_plan
+
+
+def test_decentralized_planning_reuses_loaded_metadata(tmp_path) -> None:
+    state = _state()
+    _save(
+        state, tmp_path / "first", cache=CheckpointMetadataCache(), planner=_DecentralizedPlanner()
+    )
+    loaded = dcp.FileSystemReader(str(tmp_path / "first")).read_metadata()
+    assert len(loaded.all_local_plans) == 1
+    cache = CheckpointMetadataCache()
+    cache.set_cached_global_metadata(loaded)
+    state["w1"].add_(5)
+    _save(state, tmp_path / "second", cache=cache, planner=_DecentralizedPlanner())
+    assert cache.get_metadata_caching_status() == (False, True)
+    _assert_same(state, _load(state, tmp_path / "second"))
