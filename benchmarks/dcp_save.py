@@ -63,6 +63,7 @@ class Config:
     threads: int
     reps: int
     plan_tensors: int
+    cpu_priority: int
 
 
 def parse_size(text: str) -> int:
@@ -100,7 +101,7 @@ class _Methods:
 
         self.rank, self.world, self.cfg = rank, world, cfg
         self.state = _sharded_state(rank, world, cfg.nbytes, cfg.tensors)
-        self.queue = AsyncCallsQueue()
+        self.queue = AsyncCallsQueue(cpu_priority=cfg.cpu_priority)
         self.cache = CheckpointMetadataCache()
         self.stager = DefaultStager(
             StagingOptions(
@@ -271,7 +272,8 @@ def report_saves(world: int, cfg: Config, per_rank: list[dict]) -> None:
     save_total = med(_slowest(per_rank, "dcp_save", "total"))
     print(
         f"\nranks={world}  bytes/rank={per_rank_bytes(cfg) / MiB:.0f} MiB  "
-        f"threads={cfg.threads}  reps={cfg.reps} (medians; slowest rank per rep)"
+        f"threads={cfg.threads}  worker nice={cfg.cpu_priority}  reps={cfg.reps} "
+        "(medians; slowest rank per rep)"
     )
     print(_header())
     print(_row("write throughput", write_mbps, "dd conv=fsync", dd_mbps, "MB/s", ">= 0.9"))
@@ -308,12 +310,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="writer threads per rank")
     parser.add_argument("--reps", type=int, default=3, help="measured repetitions")
     parser.add_argument("--plan-tensors", type=int, default=512)
+    parser.add_argument(
+        "--cpu-priority", type=int, default=10, help="nice value of our worker (default 10)"
+    )
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.ranks.split(",") if w.strip()]
     root = tempfile.mkdtemp(prefix="dcp_bench_", dir=args.dir)
     cfg = Config(
-        root, parse_size(args.size), args.tensors, args.threads, args.reps, args.plan_tensors
+        root,
+        parse_size(args.size),
+        args.tensors,
+        args.threads,
+        args.reps,
+        args.plan_tensors,
+        args.cpu_priority,
     )
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, directory {root}")
     print(f"zlib.crc32 on one core: {crc32_gbps():.2f} GB/s (the writer checksums every byte)")
