@@ -27,25 +27,20 @@ from __future__ import annotations
 import copy
 import inspect
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.api import _wrap_exception
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .._logging import get_logger
-from ..config import default_timeouts
-from ..errors import CheckpointingException, ConfigurationError, InvalidRequestError
-from . import _completion
-from ._structure import check_state_dict, planner_settings, structure_signature
+from ..errors import InvalidRequestError
+from ._planning import Planning, agree, check_writer, is_decentralized, plan_matches_loaded
+from ._structure import check_state_dict
 
 logger = get_logger(__name__)
 
@@ -168,58 +163,6 @@ def get_metadata_caching_status() -> tuple[bool, bool] | None:
     return _checkpoint_metadata_cache.get_metadata_caching_status()
 
 
-# -- small collectives on a CPU group -------------------------------------------------------
-
-
-def _cpu_group(dist_wrapper: _DistWrapper) -> Any:
-    """A gloo-capable group over the planning ranks, or None (then object collectives)."""
-    group = dist_wrapper.group
-    if group is None or group == dist.group.WORLD:
-        return _completion.library_group(default_timeouts().collective)
-    return group if "gloo" in str(dist.get_backend(group)).lower() else None
-
-
-def _all_gather_ints(values: list[int], dist_wrapper: _DistWrapper) -> list[list[int]]:
-    """Every planning rank's ``values``, in group-rank order (one collective)."""
-    if not dist_wrapper.use_dist or dist_wrapper.get_world_size() == 1:
-        return [values]
-    group = _cpu_group(dist_wrapper)
-    if group is None:
-        return dist_wrapper.all_gather_object(values)
-    mine = torch.tensor(values, dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(dist_wrapper.get_world_size())]
-    dist.all_gather(gathered, mine, group=group)
-    return [[int(v) for v in t.tolist()] for t in gathered]
-
-
-def _agree(ok: bool, error: BaseException | None, dist_wrapper: _DistWrapper, step: str) -> bool:
-    """True iff ``ok`` on every rank; raise ``CheckpointException`` everywhere on any error."""
-    flags = _all_gather_ints([int(ok), int(error is not None)], dist_wrapper)
-    failed = [rank for rank, (_, bad) in enumerate(flags) if bad]
-    if failed:
-        failures = {}
-        for rank in failed:
-            exc = error if rank == dist_wrapper.rank and error is not None else None
-            failures[rank] = _wrap_exception(
-                exc or CheckpointingException(f"rank {rank} failed in {step}; see its error")
-            )
-        raise CheckpointException(step, failures) from error
-    return all(good for good, _ in flags)
-
-
-def _plan_matches_loaded(
-    loaded_all_plans: list[SavePlan] | None, local_plan: SavePlan, rank: int, world_size: int
-) -> bool:
-    if not loaded_all_plans or len(loaded_all_plans) != world_size:
-        return False
-    loaded = loaded_all_plans[rank]
-    return all(
-        getattr(local_plan, f.name) == getattr(loaded, f.name)
-        for f in fields(local_plan)
-        if f.name != "storage_data"
-    )
-
-
 def verify_global_md_reuse(
     loaded_all_plans: list[SavePlan], local_plan: SavePlan, rank: int, dist_wrapper: _DistWrapper
 ) -> bool:
@@ -227,26 +170,8 @@ def verify_global_md_reuse(
     on gloo; only when the loaded plans cover every rank)."""
     if not loaded_all_plans or len(loaded_all_plans) != dist_wrapper.get_world_size():
         return False
-    ok = _plan_matches_loaded(loaded_all_plans, local_plan, rank, dist_wrapper.get_world_size())
-    return _agree(ok, None, dist_wrapper, "verify_global_md_reuse")
-
-
-# -- planning -------------------------------------------------------------------------------
-
-
-def _check_writer(storage_writer: Any) -> None:
-    if not isinstance(storage_writer, StorageWriter):
-        raise ConfigurationError(
-            f"storage_writer must be a torch.distributed.checkpoint.StorageWriter (e.g. "
-            f"FileSystemWriterAsync), got {type(storage_writer).__name__}"
-        )
-    needed = ("prepare_write_data", "get_save_function_and_args", "retrieve_write_results")
-    missing = [name for name in needed if not callable(getattr(storage_writer, name, None))]
-    if missing:
-        raise ConfigurationError(
-            f"{type(storage_writer).__name__} cannot write asynchronously (no {missing}); "
-            "use resilient_ckpt.async_ckpt.filesystem_async.FileSystemWriterAsync"
-        )
+    ok = plan_matches_loaded(loaded_all_plans, local_plan, rank, dist_wrapper.get_world_size())
+    return agree(ok, None, dist_wrapper, "verify_global_md_reuse")
 
 
 def _resolve_cache(
@@ -260,116 +185,6 @@ def _resolve_cache(
     if _checkpoint_metadata_cache is None:
         _checkpoint_metadata_cache = CheckpointMetadataCache()
     return _checkpoint_metadata_cache
-
-
-class _Planning:
-    """The planning steps of one save, in the order torch's ``save`` runs them."""
-
-    def __init__(
-        self,
-        state_dict: STATE_DICT_TYPE,
-        writer: Any,
-        planner: SavePlanner,
-        dist_wrapper: _DistWrapper,
-    ) -> None:
-        self.state_dict = state_dict
-        self.writer = writer
-        self.planner = planner
-        self.dist_wrapper = dist_wrapper
-        self.is_set_up = False
-        self.local_plan: SavePlan | None = None
-        self.global_metadata: Metadata | None = None
-
-    def set_up(self) -> None:
-        coordinator = self.dist_wrapper.is_coordinator
-        if "storage_meta" in inspect.signature(self.planner.set_up_planner).parameters:
-            self.planner.set_up_planner(
-                self.state_dict,
-                storage_meta=self.writer.storage_meta(),
-                is_coordinator=coordinator,
-            )
-        else:
-            self.planner.set_up_planner(self.state_dict, is_coordinator=coordinator)
-        if "kwargs" in inspect.signature(self.writer.set_up_storage_writer).parameters:
-            self.writer.set_up_storage_writer(
-                coordinator, rank=self.dist_wrapper.rank, use_collectives=True
-            )
-        else:
-            self.writer.set_up_storage_writer(coordinator)
-        self.is_set_up = True
-
-    def signature(self) -> bytes:
-        flat = getattr(self.planner, "state_dict", None)
-        if not isinstance(flat, Mapping):
-            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-            flat, _ = flatten_state_dict(self.state_dict)
-        group = self.dist_wrapper.group
-        context = (
-            f"{type(self.planner).__module__}.{type(self.planner).__qualname__}",
-            planner_settings(self.planner),
-            f"{type(self.writer).__module__}.{type(self.writer).__qualname__}",
-            self.dist_wrapper.get_world_size(),
-            self.dist_wrapper.rank,
-            self.dist_wrapper.coordinator_rank,
-            None if group is None else dist.get_process_group_ranks(group),
-        )
-        return structure_signature(flat, context)
-
-    def local_step(self) -> SavePlan:
-        if not self.is_set_up:
-            self.set_up()
-        plan = self.planner.create_local_plan()
-        self.local_plan = self.writer.prepare_local_plan(plan)
-        return self.local_plan
-
-    def global_step(self, all_local_plans: list[SavePlan]) -> list[SavePlan]:
-        all_local_plans, self.global_metadata = self.planner.create_global_plan(all_local_plans)
-        return self.writer.prepare_global_plan(all_local_plans)
-
-    def revalidate(self, cache: CheckpointMetadataCache) -> tuple[bool, bytes | None]:
-        """Set up, then agree with every rank whether the cached plan still fits."""
-        signature: bytes | None = None
-        matches, error = False, None
-        try:
-            self.set_up()
-            signature = self.signature()
-            matches = cache.matches(signature, self.dist_wrapper.is_coordinator)
-        except Exception as exc:
-            error = exc
-        return _agree(matches, error, self.dist_wrapper, "plan"), signature
-
-    def plan_centrally(self) -> SavePlan:
-        return self.dist_wrapper.reduce_scatter("plan", self.local_step, self.global_step)
-
-    def plan_decentralized(self, cache: CheckpointMetadataCache | None) -> tuple[SavePlan, bool]:
-        """Local plans gathered only for the metadata (or not at all when the loaded
-        metadata still fits); each rank finalizes its own plan."""
-        loaded = cache.loaded_all_plans if cache is not None else None
-        dw = self.dist_wrapper
-        matches, error = False, None
-        try:
-            local_plan = self.local_step()
-            matches = _plan_matches_loaded(loaded, local_plan, dw.rank, dw.get_world_size())
-        except Exception as exc:
-            error = exc
-        reuse_loaded = _agree(matches, error, dw, "plan") and bool(loaded)
-        if reuse_loaded and cache is not None and dw.is_coordinator:
-            self.global_metadata = cache.cached_global_metadata
-        elif not reuse_loaded:
-            all_local_plans = dw.gather_object(local_plan)
-            if dw.is_coordinator and all_local_plans is not None:
-                _, metadata = self.planner.create_global_plan(all_local_plans)
-                metadata.all_local_plans = all_local_plans  # type: ignore[attr-defined]
-                self.global_metadata = metadata
-        plan = self.planner.create_decentralized_global_plan(local_plan)  # type: ignore[attr-defined]
-        return self.writer.prepare_decentralized_global_plan(plan), reuse_loaded
-
-
-def _decentralized(planner: Any, writer: Any) -> bool:
-    return bool(getattr(planner, "can_run_decentralized_global_plan", False)) and bool(
-        getattr(writer, "can_run_decentralized_global_plan", False)
-    )
 
 
 def save_state_dict_async_plan(
@@ -390,20 +205,22 @@ def save_state_dict_async_plan(
     per save checks it); ``metadata_cache`` defaults to the process-wide cache.
     """
     check_state_dict(state_dict)
-    _check_writer(storage_writer)
+    check_writer(storage_writer)
     use_dist = dist.is_available() and dist.is_initialized()
     dist_wrapper = _DistWrapper(process_group, use_dist, coordinator_rank)
     planner = planner if planner is not None else DefaultSavePlanner()
     cache = _resolve_cache(enable_cache, metadata_cache)
-    planning = _Planning(state_dict, storage_writer, planner, dist_wrapper)
+    planning = Planning(state_dict, storage_writer, planner, dist_wrapper)
     started = time.perf_counter()
     hit, signature, reused_loaded = False, None, False
     if cache is not None:
         hit, signature = planning.revalidate(cache)
     if hit and cache is not None and cache.cached_central_plan is not None:
         central_plan = cache.cached_central_plan
-    elif _decentralized(planner, storage_writer):
-        central_plan, reused_loaded = planning.plan_decentralized(cache)
+    elif is_decentralized(planner, storage_writer):
+        loaded = cache.loaded_all_plans if cache is not None else None
+        loaded_md = cache.cached_global_metadata if cache is not None else None
+        central_plan, reused_loaded = planning.plan_decentralized(loaded, loaded_md)
     else:
         central_plan = planning.plan_centrally()
     central_plan = planner.finish_plan(central_plan)
@@ -425,7 +242,7 @@ def _update_cache(
     hit: bool,
     signature: bytes | None,
     central_plan: SavePlan,
-    planning: _Planning,
+    planning: Planning,
     reused_loaded: bool,
 ) -> Metadata | None:
     """Record this save in the cache; return the coordinator's metadata for this save.
