@@ -89,6 +89,7 @@ def test_round_trip_and_byte_identical_to_torch_writer(tmp_path) -> None:
     ours = (tmp_path / "ours" / "__0_0.distcp").read_bytes()
     assert ours == (tmp_path / "ref" / "__0_0.distcp").read_bytes()
     _assert_same(state, _load(state, tmp_path / "ours"))
+    assert sorted(os.listdir(tmp_path / "ours")) == [".metadata", "__0_0.distcp"]
     report = verify_checkpoint(str(tmp_path / "ours"))
     assert report.checksummed and report.files == {"__0_0.distcp": len(ours)}
 

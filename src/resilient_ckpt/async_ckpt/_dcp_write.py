@@ -21,7 +21,8 @@ Decisions:
   list, each file's size and CRC32, or the failure with its traceback) atomically, before
   any commit. ``dcp.load`` ignores it. A write failure is recorded there rather than raised,
   so finalize still runs on every rank and reports it everywhere; only a failure to record
-  the outcome propagates (and the async queue then reports it).
+  the outcome propagates (and the async queue then reports it). The trainer removes the file
+  once read, unless it reports a failure.
 """
 
 from __future__ import annotations
@@ -370,6 +371,15 @@ def _store_report(job: WriteJob, report: RankWriteReport) -> None:
     path = backend.join(job.checkpoint_dir, job.results_name)
     with backend.open_write(path, sync=job.sync_files) as f:
         pickle.dump(report, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def discard_report(job: WriteJob) -> None:
+    """Remove a results file that was read successfully (failed ones stay for post-mortem)."""
+    backend = get_backend(job.checkpoint_dir, use_msc=job.use_msc)
+    try:
+        backend.delete(backend.join(job.checkpoint_dir, job.results_name))
+    except OSError as exc:
+        logger.debug("could not remove %s: %r", job.results_name, exc)
 
 
 def load_report(job: WriteJob) -> RankWriteReport:

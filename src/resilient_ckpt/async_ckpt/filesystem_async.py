@@ -16,7 +16,8 @@ Call protocol (every rank; "trainer" is the training process):
    ``AsyncRequest(save_fn, args, [finalize], preload_fn=preload_fn)``; ``args[1]`` is the
    bucket list, which ``preload_fn`` replaces by its host copy. ``save_fn`` runs in the
    background process (see :mod:`._dcp_write`) and writes ``__<rank>_<k>.distcp`` files plus
-   a per-rank results file.
+   a per-rank results file (``__<rank>.write_results``, removed once read unless it reports
+   a failure).
 5. ``retrieve_write_results()`` (trainer, finalize): this rank's ``WriteResult`` list, read
    back from the results file; raises :class:`~resilient_ckpt.errors.CheckpointWriteError`
    when the write failed or did not report.
@@ -56,6 +57,7 @@ from ._dcp_write import (
     FileRecord,
     WriteBucket,
     WriteJob,
+    discard_report,
     load_report,
     plan_files,
     run_write_job,
@@ -311,6 +313,7 @@ class FileSystemWriterAsync(FileSystemWriter):
                 path=self.checkpoint_dir,
             )
         self.written_files = {r.name: (r.size, r.crc32) for r in report.files}
+        discard_report(self._job)
         return [result for record in report.files for result in record.results]
 
     def finish(
