@@ -63,6 +63,7 @@ from ._dcp_write import (
     run_write_job,
     write_file,
 )
+from ._files import fsync_dir
 
 logger = get_logger(__name__)
 
@@ -135,6 +136,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.separation_hint = separation_hint
         self._validate_options(checkpoint_dir)
         self.is_coordinator = False
+        self.rank: int | None = getattr(self, "rank", None)
+        self.use_collectives: bool = getattr(self, "use_collectives", True)
         self.write_buckets: list[WriteBucket] | None = None
         self.results_queue: Any = None
         self.written_files: dict[str, tuple[int, int]] = {}
@@ -181,8 +184,11 @@ class FileSystemWriterAsync(FileSystemWriter):
                     "writer has overwrite=False"
                 )
             logger.warning("overwriting the checkpoint in %s", self.checkpoint_dir)
-            # Uncommit first: while new data files replace old ones, nobody may load them.
+            # Uncommit first, durably: while new data files replace old ones, nobody may load
+            # them, not even after a crash.
             self._backend.delete(commit)
+            if self.sync_files and isinstance(self._backend, PosixBackend):
+                fsync_dir(self.checkpoint_dir)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.rank is not None and not self.use_collectives:
