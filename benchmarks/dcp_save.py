@@ -285,6 +285,14 @@ def report_saves(world: int, cfg: Config, per_rank: list[dict]) -> None:
     print(_row("stall", ours_stall, "dcp.save (blocking)", save_total, "s", ""))
 
 
+def report_raw(per_rank: list[dict]) -> None:
+    """Every repetition's figure (slowest rank), to judge the noise behind the medians."""
+    for method, figures in per_rank[0].items():
+        for key in figures:
+            values = _slowest(per_rank, method, key) if method != "dd" else figures[key]
+            print(f"    raw {method}.{key}: " + " ".join(f"{v:.3f}" for v in values))
+
+
 def per_rank_bytes(cfg: Config) -> int:
     cols, rows = 1024, max(1, cfg.nbytes // cfg.tensors // 4 // 1024)
     return cfg.tensors * rows * cols * 4
@@ -314,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-priority", type=int, default=10, help="nice value of our worker (default 10)"
     )
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
+    parser.add_argument("--raw", action="store_true", help="also print every repetition")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.ranks.split(",") if w.strip()]
     root = tempfile.mkdtemp(prefix="dcp_bench_", dir=args.dir)
@@ -332,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         for world in worlds:
             per_rank = launch(_rank_saves, world, cfg, timeout=3600)
             report_saves(world, cfg, per_rank)
+            if args.raw:
+                report_raw(per_rank)
         world = max(worlds)
         report_plans(world, launch(_rank_plans, world, cfg, timeout=1800), cfg)
     finally:
