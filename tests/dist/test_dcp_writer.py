@@ -266,6 +266,16 @@ def _two_rank_checks(rank: int, world: int, root: str, four_rank_ckpt: str) -> d
 
     _check_commit_fails_everywhere(queue, _model_state(rank, world), os.path.join(root, "bad"))
     queue.close()
+
+    # Replicated state deduplicated to rank 0: rank 1 has nothing to write.
+    path, replicated = os.path.join(root, "rank0_only"), {"only": torch.arange(7.0)}
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    request = _plan_and_request(replicated, FileSystemWriterAsync(path), planner=planner)
+    assert (request.async_fn is None) == (rank == 1)
+    request.execute_sync()
+    loaded = {"only": torch.zeros(7)}
+    dcp.load(loaded, checkpoint_id=path)
+    assert torch.equal(loaded["only"], replicated["only"])
     return _check_cache(rank, world, _model_state(rank, world), root)
 
 
