@@ -114,3 +114,30 @@ class SameMachineReplicationException(CheckpointingException):
 
 class NoReplicasAvailableError(CheckpointingException):
     """No rank of the replication group holds a valid copy of a requested checkpoint shard."""
+
+
+class CheckpointWriteError(CheckpointingException):
+    """One rank's background write of a distributed checkpoint failed (or left no result).
+
+    Raised in the trainer by ``retrieve_write_results``; ``save_state_dict_async_finalize``
+    gathers it and raises ``torch.distributed.checkpoint.CheckpointException`` on every rank.
+    Picklable with its attributes, because it travels between ranks.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_write_error, (type(self), str(self), self.rank, self.path)
+
+
+def _rebuild_write_error(
+    cls: type[CheckpointWriteError], message: str, rank: int | None, path: str | None
+) -> CheckpointWriteError:
+    return cls(message, rank=rank, path=path)
+
+
+class CheckpointExistsError(CheckpointingException, FileExistsError):
+    """A committed checkpoint already exists where a writer with ``overwrite=False`` writes."""

@@ -1,0 +1,412 @@
+"""The write side of the async DCP writer: files, writer threads, checksums, the results file.
+
+What runs where. The trainer splits a rank's plan into *write buckets*, one per data file
+(``plan_files`` + the writer's resolve step); the background process (persistent worker,
+forked child, or the trainer itself for ``execute_sync``) runs :func:`run_write_job`.
+
+Decisions:
+
+* **Threads, all started first.** Files are dealt to ``thread_count`` lanes balanced by
+  bytes; every extra lane's thread starts before the calling thread writes its own lane, so
+  the lanes really overlap (``torch.save`` and ``write`` release the GIL for the data).
+* **Byte-identical files.** Each item is serialised by torch's own ``_write_item``, bytes
+  items first, then tensors in plan order, exactly as ``FileSystemWriter`` does with one
+  thread; tensors whose storage is larger than their bytes are compacted first, as torch does.
+* **Checksums while writing.** A thin stream wrapper feeds every written buffer to
+  ``zlib.crc32`` (which releases the GIL), so each file's size and CRC32 cost no extra pass
+  over the data and no read-back.
+* **Results travel through a file.** The background process cannot touch the trainer's
+  objects, and must work the same for the persistent worker, a fork and ``execute_sync``. So
+  it writes a small per-rank *results file* (``__<rank>.write_results``: the ``WriteResult``
+  list, each file's size and CRC32, or the failure with its traceback) atomically, before
+  any commit. ``dcp.load`` ignores it. A write failure is recorded there rather than raised,
+  so finalize still runs on every rank and reports it everywhere; only a failure to record
+  the outcome propagates (and the async queue then reports it). The trainer removes the file
+  once read, unless it reports a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import inspect
+import io
+import math
+import os
+import pickle
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .._logging import get_logger
+from ..errors import CheckpointWriteError
+from ..storage import get_backend
+
+logger = get_logger(__name__)
+
+BytesData = list[tuple[WriteItem, io.BytesIO]]
+TensorData = list[tuple[WriteItem, torch.Tensor]]
+# One data file: (its path, its name inside the checkpoint = the DCP storage key, its items).
+WriteBucket = tuple[str, str, tuple[BytesData, TensorData]]
+
+RESULTS_SUFFIX = ".write_results"
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """Everything the background write needs besides the buckets (small, picklable)."""
+
+    checkpoint_dir: str
+    use_msc: bool
+    rank: int
+    token: str
+    sync_files: bool
+    thread_count: int
+    transforms: Any = None
+
+    @property
+    def results_name(self) -> str:
+        return f"__{self.rank}{RESULTS_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One written data file: its name, size, CRC32 and the DCP results of its items."""
+
+    name: str
+    size: int
+    crc32: int
+    results: list[WriteResult]
+
+
+@dataclass
+class RankWriteReport:
+    """Content of a rank's results file."""
+
+    token: str
+    rank: int
+    files: list[FileRecord] = field(default_factory=list)
+    failure: str | None = None
+    seconds: float = 0.0
+
+
+# -- planning the files (trainer) -----------------------------------------------------------
+
+
+def item_nbytes(item: WriteItem) -> int:
+    """Bytes of a tensor item's chunk (0 for byte items, whose size is unknown up front)."""
+    if item.tensor_data is None:
+        return 0
+    numel = math.prod(item.tensor_data.chunk.sizes)
+    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def split_balanced(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Deal items into ``bins`` lists: byte items round-robin, tensors largest-first to the
+    lightest bin. With one bin the plan order is kept (byte-identical to torch's writer)."""
+    if bins <= 1:
+        return [list(items)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    for k, item in enumerate(byte_items):
+        buckets[k % bins].append(item)
+    tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    heap = [(0, b) for b in range(bins)]
+    for item in sorted(tensor_items, key=item_nbytes, reverse=True):
+        load, b = heapq.heappop(heap)
+        buckets[b].append(item)
+        heapq.heappush(heap, (load + item_nbytes(item), b))
+    return buckets
+
+
+def plan_files(
+    items: Sequence[WriteItem],
+    *,
+    prefix: str,
+    thread_count: int,
+    single_file_per_rank: bool,
+    separation_hint: str | None,
+) -> list[tuple[str, list[WriteItem]]]:
+    """``(file name, items)`` for each data file of one rank, numbered as torch numbers them.
+
+    With ``separation_hint`` the items whose key starts with it go to their own files, named
+    with the hint as a prefix, each group split into ``thread_count // 2`` files.
+    """
+    if separation_hint is None:
+        groups = [("", list(items))]
+        bins = thread_count
+    else:
+        hinted = [i for i in items if i.index.fqn.startswith(separation_hint)]
+        rest = [i for i in items if not i.index.fqn.startswith(separation_hint)]
+        groups = [("", rest), (separation_hint, hinted)]
+        bins = max(1, thread_count // 2)
+    files: list[tuple[str, list[WriteItem]]] = []
+    for group_prefix, group_items in groups:
+        if single_file_per_rank:
+            chunks = split_balanced(group_items, bins)
+        else:
+            chunks = [[item] for item in group_items]
+        for chunk in chunks:
+            if chunk:
+                files.append((f"{group_prefix}{prefix}{len(files)}{DEFAULT_SUFFIX}", chunk))
+    return files
+
+
+def bucket_nbytes(bucket: WriteBucket) -> int:
+    _, _, (bytes_data, tensor_data) = bucket
+    total = sum(data.getbuffer().nbytes for _, data in bytes_data)
+    return total + sum(t.numel() * t.element_size() for _, t in tensor_data)
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor whose storage holds exactly its bytes (what torch's writer serialises)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+# -- writing (background) -------------------------------------------------------------------
+
+
+class ChecksumStream:
+    """Write-only stream that tracks the size and CRC32 of everything written through it.
+
+    With ``early_writeback`` (set when the file will be fsynced) it also asks the kernel to
+    start writing each full ``WRITEBACK_BYTES`` to disk right away (``posix_fadvise``
+    ``DONTNEED`` starts writeback of dirty pages and drops them from the page cache once
+    clean). Otherwise nothing reaches the disk before the final fsync (the dirty-page
+    thresholds are gigabytes), so serialising and checksumming would not overlap the disk
+    at all. Large buffers are handled in slices so the overlap also happens within one
+    big tensor.
+    """
+
+    SLICE_BYTES = 16 << 20
+    WRITEBACK_BYTES = 32 << 20
+
+    def __init__(self, raw: BinaryIO, *, early_writeback: bool = False) -> None:
+        self._raw = raw
+        self.size = 0
+        self.crc32 = 0
+        self._fd: int | None = None
+        self._written_back = 0
+        if early_writeback and hasattr(os, "posix_fadvise"):
+            try:
+                self._fd = raw.fileno()
+            except (AttributeError, OSError, io.UnsupportedOperation):
+                self._fd = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if not view.contiguous:
+            view = memoryview(view.tobytes())
+        view = view.cast("B")
+        for start in range(0, view.nbytes, self.SLICE_BYTES):
+            piece = view[start : start + self.SLICE_BYTES]
+            self.crc32 = zlib.crc32(piece, self.crc32)
+            self._raw.write(piece)
+            self.size += piece.nbytes
+            if self._fd is not None and self.size - self._written_back >= self.WRITEBACK_BYTES:
+                self._start_writeback(self._fd)
+        return view.nbytes
+
+    def _start_writeback(self, fd: int) -> None:
+        self._raw.flush()
+        length = self.size - self._written_back
+        os.posix_fadvise(fd, self._written_back, length, os.POSIX_FADV_DONTNEED)
+        self._written_back = self.size
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+
+def _write_item_call() -> Callable[..., WriteResult]:
+    """torch's ``_write_item`` across versions (its parameters grew over time)."""
+    params = list(inspect.signature(_write_item).parameters)
+    if len(params) >= 6:
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        return functools.partial(_call_write_item_6, SerializationFormat.TORCH_SAVE)
+    if len(params) == 5:
+        return _write_item
+    return _call_write_item_4
+
+
+def _call_write_item_6(fmt: Any, transforms: Any, stream: Any, data: Any, item: Any, key: str):
+    return _write_item(transforms, stream, data, item, key, fmt)  # type: ignore[call-arg]
+
+
+def _call_write_item_4(transforms: Any, stream: Any, data: Any, item: Any, key: str):
+    return _write_item(stream, data, item, key)  # type: ignore[call-arg, arg-type]
+
+
+write_item = _write_item_call()
+
+
+def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
+    """Write one data file atomically (fsynced when ``job.sync_files``); checksum it."""
+    path, name, (bytes_data, tensor_data) = bucket
+    backend = get_backend(job.checkpoint_dir, use_msc=job.use_msc)
+    results: list[WriteResult] = []
+    with backend.open_write(path, sync=job.sync_files) as raw:
+        stream = ChecksumStream(raw, early_writeback=job.sync_files)
+        for item, data in bytes_data:
+            results.append(write_item(job.transforms, stream, data, item, name))
+        for item, tensor in tensor_data:
+            results.append(write_item(job.transforms, stream, compact(tensor), item, name))
+        stream.flush()
+    return FileRecord(name, stream.size, stream.crc32, results)
+
+
+def assign_lanes(buckets: Sequence[WriteBucket], lanes: int) -> list[list[WriteBucket]]:
+    """Deal files to at most ``lanes`` threads, balanced by bytes (largest first)."""
+    if len(buckets) <= lanes:
+        return [[b] for b in buckets]
+    assigned: list[list[WriteBucket]] = [[] for _ in range(lanes)]
+    heap = [(0, k) for k in range(lanes)]
+    for bucket in sorted(buckets, key=bucket_nbytes, reverse=True):
+        load, k = heapq.heappop(heap)
+        assigned[k].append(bucket)
+        heapq.heappush(heap, (load + bucket_nbytes(bucket), k))
+    return [lane for lane in assigned if lane]
+
+
+def _run_lane(
+    write_one: Callable[[WriteBucket], FileRecord],
+    lane: list[WriteBucket],
+    outcomes: list[Any],
+    index: int,
+) -> None:
+    try:
+        outcomes[index] = [write_one(bucket) for bucket in lane]
+    except BaseException as exc:
+        outcomes[index] = exc
+
+
+def write_all(
+    buckets: Sequence[WriteBucket],
+    thread_count: int,
+    write_one: Callable[[WriteBucket], FileRecord],
+) -> list[FileRecord]:
+    """Write every bucket with up to ``thread_count`` threads; raise the first failure."""
+    lanes = assign_lanes(buckets, max(1, thread_count))
+    outcomes: list[Any] = [None] * len(lanes)
+    threads = [
+        threading.Thread(
+            target=_run_lane,
+            args=(write_one, lane, outcomes, k),
+            name=f"resilient_ckpt-dcp-writer-{k}",
+            daemon=True,
+        )
+        for k, lane in enumerate(lanes)
+        if k > 0
+    ]
+    for thread in threads:
+        thread.start()
+    if lanes:
+        _run_lane(write_one, lanes[0], outcomes, 0)
+    for thread in threads:
+        thread.join()
+    failures = [o for o in outcomes if isinstance(o, BaseException)]
+    if failures:
+        for extra in failures[1:]:
+            logger.error("another writer thread failed too: %r", extra)
+        raise failures[0]
+    return [record for lane_records in outcomes for record in lane_records]
+
+
+def run_write_job(
+    job: WriteJob,
+    buckets: Sequence[WriteBucket],
+    write_one: Callable[[WriteBucket], FileRecord],
+) -> None:
+    """Write this rank's files, then record the outcome in its results file."""
+    started = time.perf_counter()
+    report = RankWriteReport(job.token, job.rank)
+    try:
+        report.files = write_all(buckets, job.thread_count, write_one)
+    except Exception as exc:
+        report.failure = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        logger.error("writing checkpoint files in %s failed: %r", job.checkpoint_dir, exc)
+    report.seconds = time.perf_counter() - started
+    try:
+        _store_report(job, report)
+    except Exception as exc:
+        raise CheckpointWriteError(
+            f"rank {job.rank}: could not record the write results in {job.checkpoint_dir!r} "
+            f"({exc!r}); write outcome: {report.failure or 'success'}",
+            rank=job.rank,
+            path=job.checkpoint_dir,
+        ) from exc
+    if report.failure is None:
+        nbytes = sum(f.size for f in report.files)
+        logger.info(
+            "wrote %d file(s), %d bytes in %.3fs (%.1f MB/s)",
+            len(report.files),
+            nbytes,
+            report.seconds,
+            nbytes / max(report.seconds, 1e-9) / 1e6,
+        )
+
+
+def _store_report(job: WriteJob, report: RankWriteReport) -> None:
+    backend = get_backend(job.checkpoint_dir, use_msc=job.use_msc)
+    path = backend.join(job.checkpoint_dir, job.results_name)
+    with backend.open_write(path, sync=job.sync_files) as f:
+        pickle.dump(report, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def discard_report(job: WriteJob) -> None:
+    """Remove a results file that was read successfully (failed ones stay for post-mortem)."""
+    backend = get_backend(job.checkpoint_dir, use_msc=job.use_msc)
+    try:
+        backend.delete(backend.join(job.checkpoint_dir, job.results_name))
+    except OSError as exc:
+        logger.debug("could not remove %s: %r", job.results_name, exc)
+
+
+def load_report(job: WriteJob) -> RankWriteReport:
+    """Read this rank's results file (trainer side); named errors when absent or foreign."""
+    backend = get_backend(job.checkpoint_dir, use_msc=job.use_msc)
+    path = backend.join(job.checkpoint_dir, job.results_name)
+    try:
+        with backend.open_read(path) as f:
+            report = pickle.load(f)
+    except FileNotFoundError as exc:
+        raise CheckpointWriteError(
+            f"rank {job.rank}: no write results at {path!r}: the background write did not run "
+            "or did not finish (was the AsyncRequest scheduled and waited for?)",
+            rank=job.rank,
+            path=path,
+        ) from exc
+    except Exception as exc:
+        raise CheckpointWriteError(
+            f"rank {job.rank}: unreadable write results at {path!r}: {exc!r}",
+            rank=job.rank,
+            path=path,
+        ) from exc
+    if not isinstance(report, RankWriteReport) or report.token != job.token:
+        raise CheckpointWriteError(
+            f"rank {job.rank}: {path!r} holds the results of another save (stale file or two "
+            "saves into one directory at once); this save's write did not report",
+            rank=job.rank,
+            path=path,
+        )
+    return report

@@ -1,0 +1,211 @@
+"""The planning half of an async DCP save: torch's steps, plus agreement on a CPU group.
+
+:class:`Planning` runs the steps of ``torch.distributed.checkpoint.save``'s planning in the
+same order (set up planner and writer, local plan, global plan on the coordinator, finish),
+split so the saver can skip the collective part when its cache is valid, or plan without a
+central step for planners that support it (Megatron's).
+
+Agreement: the saver's own small decisions (is the cached plan valid everywhere, did some
+rank fail to set up) are one ``all_gather`` of two integers per rank, on the library's gloo
+group (or the caller's group if it is gloo-capable), so they never touch CUDA and cost one
+round trip. If the caller's group has no CPU backend, object collectives on it are used.
+A rank that failed contributes a flag; every rank then raises ``CheckpointException``
+naming it, instead of some ranks waiting in a collective the failed rank never joins.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.api import _wrap_exception
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from ..config import default_timeouts
+from ..errors import CheckpointingException, ConfigurationError
+from . import _completion
+from ._structure import planner_settings, structure_signature
+
+
+def cpu_group(dist_wrapper: _DistWrapper) -> Any:
+    """A gloo-capable group over the planning ranks, or None (then object collectives)."""
+    group = dist_wrapper.group
+    if group is None or group == dist.group.WORLD:
+        return _completion.library_group(default_timeouts().collective)
+    return group if "gloo" in str(dist.get_backend(group)).lower() else None
+
+
+def all_gather_ints(values: list[int], dist_wrapper: _DistWrapper) -> list[list[int]]:
+    """Every planning rank's ``values``, in group-rank order (one collective)."""
+    if not dist_wrapper.use_dist or dist_wrapper.get_world_size() == 1:
+        return [values]
+    group = cpu_group(dist_wrapper)
+    if group is None:
+        return dist_wrapper.all_gather_object(values)
+    mine = torch.tensor(values, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist_wrapper.get_world_size())]
+    dist.all_gather(gathered, mine, group=group)
+    return [[int(v) for v in t.tolist()] for t in gathered]
+
+
+def agree(ok: bool, error: BaseException | None, dist_wrapper: _DistWrapper, step: str) -> bool:
+    """True iff ``ok`` on every rank; raise ``CheckpointException`` everywhere on any error."""
+    flags = all_gather_ints([int(ok), int(error is not None)], dist_wrapper)
+    failed = [rank for rank, (_, bad) in enumerate(flags) if bad]
+    if failed:
+        failures = {}
+        for rank in failed:
+            exc = error if rank == dist_wrapper.rank and error is not None else None
+            failures[rank] = _wrap_exception(
+                exc or CheckpointingException(f"rank {rank} failed in {step}; see its error")
+            )
+        raise CheckpointException(step, failures) from error
+    return all(good for good, _ in flags)
+
+
+def plan_matches_loaded(
+    loaded_all_plans: list[SavePlan] | None, local_plan: SavePlan, rank: int, world_size: int
+) -> bool:
+    if not loaded_all_plans or len(loaded_all_plans) != world_size:
+        return False
+    loaded = loaded_all_plans[rank]
+    return all(
+        getattr(local_plan, f.name) == getattr(loaded, f.name)
+        for f in fields(local_plan)
+        if f.name != "storage_data"
+    )
+
+
+def check_writer(storage_writer: Any) -> None:
+    if not isinstance(storage_writer, StorageWriter):
+        raise ConfigurationError(
+            f"storage_writer must be a torch.distributed.checkpoint.StorageWriter (e.g. "
+            f"FileSystemWriterAsync), got {type(storage_writer).__name__}"
+        )
+    needed = ("prepare_write_data", "get_save_function_and_args", "retrieve_write_results")
+    missing = [name for name in needed if not callable(getattr(storage_writer, name, None))]
+    if missing:
+        raise ConfigurationError(
+            f"{type(storage_writer).__name__} cannot write asynchronously (no {missing}); "
+            "use resilient_ckpt.async_ckpt.filesystem_async.FileSystemWriterAsync"
+        )
+
+
+class Planning:
+    """The planning steps of one save, in the order torch's ``save`` runs them."""
+
+    def __init__(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        writer: Any,
+        planner: SavePlanner,
+        dist_wrapper: _DistWrapper,
+    ) -> None:
+        self.state_dict = state_dict
+        self.writer = writer
+        self.planner = planner
+        self.dist_wrapper = dist_wrapper
+        self.is_set_up = False
+        self.local_plan: SavePlan | None = None
+        self.global_metadata: Metadata | None = None
+
+    def set_up(self) -> None:
+        coordinator = self.dist_wrapper.is_coordinator
+        if "storage_meta" in inspect.signature(self.planner.set_up_planner).parameters:
+            self.planner.set_up_planner(
+                self.state_dict,
+                storage_meta=self.writer.storage_meta(),
+                is_coordinator=coordinator,
+            )
+        else:
+            self.planner.set_up_planner(self.state_dict, is_coordinator=coordinator)
+        if "kwargs" in inspect.signature(self.writer.set_up_storage_writer).parameters:
+            self.writer.set_up_storage_writer(
+                coordinator, rank=self.dist_wrapper.rank, use_collectives=True
+            )
+        else:
+            self.writer.set_up_storage_writer(coordinator)
+        self.is_set_up = True
+
+    def signature(self) -> bytes:
+        flat = getattr(self.planner, "state_dict", None)
+        if not isinstance(flat, Mapping):
+            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+            flat, _ = flatten_state_dict(self.state_dict)
+        group = self.dist_wrapper.group
+        context = (
+            f"{type(self.planner).__module__}.{type(self.planner).__qualname__}",
+            planner_settings(self.planner),
+            f"{type(self.writer).__module__}.{type(self.writer).__qualname__}",
+            self.dist_wrapper.get_world_size(),
+            self.dist_wrapper.rank,
+            self.dist_wrapper.coordinator_rank,
+            None if group is None else dist.get_process_group_ranks(group),
+        )
+        return structure_signature(flat, context)
+
+    def local_step(self) -> SavePlan:
+        if not self.is_set_up:
+            self.set_up()
+        plan = self.planner.create_local_plan()
+        self.local_plan = self.writer.prepare_local_plan(plan)
+        return self.local_plan
+
+    def global_step(self, all_local_plans: list[SavePlan]) -> list[SavePlan]:
+        all_local_plans, self.global_metadata = self.planner.create_global_plan(all_local_plans)
+        return self.writer.prepare_global_plan(all_local_plans)
+
+    def revalidate(self, cache: Any) -> tuple[bool, bytes | None]:
+        """Set up, then agree with every rank whether the cached plan still fits."""
+        signature: bytes | None = None
+        matches, error = False, None
+        try:
+            self.set_up()
+            signature = self.signature()
+            matches = cache.matches(signature, self.dist_wrapper.is_coordinator)
+        except Exception as exc:
+            error = exc
+        return agree(matches, error, self.dist_wrapper, "plan"), signature
+
+    def plan_centrally(self) -> SavePlan:
+        return self.dist_wrapper.reduce_scatter("plan", self.local_step, self.global_step)
+
+    def plan_decentralized(
+        self, loaded: list[SavePlan] | None, loaded_metadata: Metadata | None
+    ) -> tuple[SavePlan, bool]:
+        """Local plans are gathered only to build the metadata (not at all when the metadata
+        loaded from the previous checkpoint still fits); each rank finishes its own plan."""
+        dw = self.dist_wrapper
+        matches, error = False, None
+        try:
+            mine = self.local_step()
+            matches = plan_matches_loaded(loaded, mine, dw.rank, dw.get_world_size())
+        except Exception as exc:
+            error = exc
+        reuse_loaded = agree(matches, error, dw, "plan") and bool(loaded)
+        local_plan = cast(SavePlan, self.local_plan)  # set: agree() raised otherwise
+        if reuse_loaded and dw.is_coordinator:
+            self.global_metadata = loaded_metadata
+        elif not reuse_loaded:
+            all_local_plans = dw.gather_object(local_plan)
+            if dw.is_coordinator and all_local_plans is not None:
+                _, metadata = self.planner.create_global_plan(all_local_plans)
+                metadata.all_local_plans = all_local_plans  # type: ignore[attr-defined]
+                self.global_metadata = metadata
+        plan = self.planner.create_decentralized_global_plan(local_plan)  # type: ignore[attr-defined]
+        return self.writer.prepare_decentralized_global_plan(plan), reuse_loaded
+
+
+def is_decentralized(planner: Any, writer: Any) -> bool:
+    return bool(getattr(planner, "can_run_decentralized_global_plan", False)) and bool(
+        getattr(writer, "can_run_decentralized_global_plan", False)
+    )

@@ -1,0 +1,103 @@
+"""``CachedMetadataFileSystemReader``: a DCP ``FileSystemReader`` that reads ``.metadata`` once.
+
+Loading a sharded checkpoint reads and unpickles ``.metadata`` on every rank, often several
+times (one reader per sub-state). NVRx caches it per directory path, which serves stale
+metadata when a directory is rewritten (a new save into the same path). Here the cache key
+is the path plus the identity of the metadata file (device, inode, size, modification time
+in ns), taken with ``fstat`` on the very file descriptor that is read, so the cached content
+always belongs to its key. A rewrite by rename (as every DCP writer commits) changes the
+inode, so the next read misses. One ``stat`` per read is the price.
+
+The cache is process-wide, bounded (least recently used entries are dropped) and
+thread-safe. Each reader gets its own shallow copy whose ``storage_meta.load_id`` is its own,
+as the uncached reader would set it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+__all__ = ["CachedMetadataFileSystemReader", "clear_metadata_cache"]
+
+_METADATA_NAME = ".metadata"
+_MAX_ENTRIES = 64
+
+_Key = tuple[str, Any, int, int, int, int]
+
+
+class CachedMetadataFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` is cached process-wide (see module doc).
+
+    Args:
+        path: checkpoint directory.
+        cache_metadata: False reads the file every time (the plain reader's behaviour).
+    """
+
+    _metadata_cache: OrderedDict[_Key, Metadata] = OrderedDict()
+    _lock = threading.Lock()
+
+    def __init__(self, path: str | os.PathLike, cache_metadata: bool = True) -> None:
+        super().__init__(path=path)
+        self._cache_dir = os.path.abspath(os.fspath(path)) if cache_metadata else None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._cache_dir is None:
+            return super().read_metadata(*args, **kwargs)
+        rank = kwargs.get("rank")
+        name = _METADATA_NAME if rank is None else f"__{rank}{_METADATA_NAME}"
+        with open(os.path.join(self._cache_dir, name), "rb") as f:
+            st = os.fstat(f.fileno())
+            key: _Key = (self._cache_dir, rank, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            metadata = self._lookup(key)
+            if metadata is None:
+                metadata = pickle.load(f)
+                self._store(key, metadata)
+        return self._for_this_reader(metadata)
+
+    @classmethod
+    def _lookup(cls, key: _Key) -> Metadata | None:
+        with cls._lock:
+            metadata = cls._metadata_cache.get(key)
+            if metadata is not None:
+                cls._metadata_cache.move_to_end(key)
+            return metadata
+
+    @classmethod
+    def _store(cls, key: _Key, metadata: Metadata) -> None:
+        with cls._lock:
+            for stale in [k for k in cls._metadata_cache if k[:2] == key[:2]]:
+                del cls._metadata_cache[stale]
+            cls._metadata_cache[key] = metadata
+            while len(cls._metadata_cache) > _MAX_ENTRIES:
+                cls._metadata_cache.popitem(last=False)
+
+    def _for_this_reader(self, metadata: Metadata) -> Metadata:
+        mine = copy.copy(metadata)
+        storage_meta = copy.copy(metadata.storage_meta) if metadata.storage_meta else StorageMeta()
+        storage_meta.load_id = self.load_id
+        mine.storage_meta = storage_meta
+        return mine
+
+    @classmethod
+    def clear_metadata_cache(cls, path: str | os.PathLike | None = None) -> None:
+        """Forget cached metadata: of one checkpoint directory, or of all with no ``path``."""
+        with cls._lock:
+            if path is None:
+                cls._metadata_cache.clear()
+                return
+            directory = os.path.abspath(os.fspath(path))
+            for key in [k for k in cls._metadata_cache if k[0] == directory]:
+                del cls._metadata_cache[key]
+
+
+def clear_metadata_cache(path: str | os.PathLike | None = None) -> None:
+    """Forget cached metadata of ``path`` (or of every directory)."""
+    CachedMetadataFileSystemReader.clear_metadata_cache(path)

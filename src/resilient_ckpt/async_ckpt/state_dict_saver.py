@@ -1,0 +1,312 @@
+"""Plan and finalize an asynchronous DCP save, with a self-validating plan cache.
+
+A DCP save is split in three (NVRx's protocol): :func:`save_state_dict_async_plan` plans
+and prepares the write (trainer, collective); the write runs in the background (the
+writer's save function in an ``AsyncRequest``); :func:`save_state_dict_async_finalize`
+gathers every rank's outcome and commits (trainer, collective, from a finalize function).
+
+Planning is the expensive collective part: every rank's local plan goes to the coordinator,
+which builds the global plan and the metadata and scatters the plans back. For a state whose
+structure does not change between saves the result is the same every time, so it is cached
+(``enable_cache=True``). Unlike NVRx, the cache is *revalidated on every save*: each rank
+computes a structure signature of its state (:mod:`._structure`: keys, shapes, dtypes,
+sharding, planner settings) and one all-gather of two small integers per rank on a gloo group
+decides, identically everywhere, whether every rank's signature equals the cached one. If
+not, all ranks re-plan and the cache is replaced, so a changed model never reuses a stale
+plan. The same collective carries "my set-up failed", so a bad directory on one rank makes
+every rank raise instead of leaving the others waiting in a collective.
+
+Finalize uses torch's ``_DistWrapper.all_reduce``: outcomes are gathered on the coordinator;
+if any rank failed, every rank raises ``torch.distributed.checkpoint.CheckpointException``
+naming the failed rank(s) and nothing is committed; otherwise the coordinator writes the
+commit record and its success or failure is broadcast, so every rank learns the outcome.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from .._logging import get_logger
+from ..errors import InvalidRequestError
+from ._planning import Planning, agree, check_writer, is_decentralized, plan_matches_loaded
+from ._structure import check_state_dict
+
+logger = get_logger(__name__)
+
+__all__ = [
+    "CheckpointMetadataCache",
+    "get_metadata_caching_status",
+    "init_checkpoint_metadata_cache",
+    "save_state_dict_async_finalize",
+    "save_state_dict_async_plan",
+    "verify_global_md_reuse",
+]
+
+
+class CheckpointMetadataCache:
+    """Plans and global metadata of the last full planning, reused while valid.
+
+    Attributes (NVRx names): ``cached_central_plan`` (this rank's final plan),
+    ``cached_local_plan``, ``cached_global_metadata`` (coordinator only),
+    ``validated_cache_reuse`` (the last save reused the cached plan),
+    ``validated_loaded_metadata_reuse`` (the last decentralized save reused metadata loaded
+    from a previous checkpoint), ``loaded_all_plans`` (from that metadata). Ours:
+    ``structure_signature`` (of the state the cache was built for), ``hits``, ``misses``.
+    """
+
+    def __init__(self) -> None:
+        self.cached_central_plan: SavePlan | None = None
+        self.cached_local_plan: SavePlan | None = None
+        self.cached_global_metadata: Metadata | None = None
+        self.validated_cache_reuse = False
+        self.validated_loaded_metadata_reuse = False
+        self.loaded_all_plans: list[SavePlan] | None = None
+        self.structure_signature: bytes | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def set_cached_global_metadata(self, cached_global_metadata: Metadata) -> None:
+        """Metadata loaded from a previous checkpoint (for decentralized planners)."""
+        self.cached_global_metadata = cached_global_metadata
+        self.loaded_all_plans = getattr(cached_global_metadata, "all_local_plans", None)
+        if self.loaded_all_plans is None:
+            logger.debug("metadata has no all_local_plans: its reuse cannot be verified")
+
+    def set_cache_metadata(
+        self, central_plan: SavePlan, local_plan: SavePlan, global_md_verify_reuse: bool
+    ) -> None:
+        """NVRx-compatible update: remember the plans; valid if the plan did not change."""
+        self.validated_loaded_metadata_reuse = global_md_verify_reuse
+        self.validated_cache_reuse = central_plan == self.cached_central_plan
+        self.cached_central_plan = central_plan
+        self.cached_local_plan = local_plan
+
+    def prepare_save_state_dict_ret(
+        self, rank: int, coordinator: int, save_state_dict_ret: tuple
+    ) -> tuple:
+        """NVRx-compatible: put the cached metadata in the plan result on the coordinator."""
+        writer, global_metadata, *rest = save_state_dict_ret
+        reusable = self.validated_cache_reuse or (
+            self.validated_loaded_metadata_reuse and self.loaded_all_plans
+        )
+        if global_metadata is not None:
+            self.cached_global_metadata = global_metadata
+        elif reusable and rank == coordinator:
+            global_metadata = self.cached_global_metadata
+        return (writer, global_metadata, *rest)
+
+    def get_cache_metadata(self) -> tuple[Any, Any, bool, Any]:
+        return (
+            self.cached_central_plan,
+            self.cached_local_plan,
+            self.validated_cache_reuse,
+            self.loaded_all_plans,
+        )
+
+    def get_metadata_caching_status(self) -> tuple[bool, bool]:
+        return self.validated_cache_reuse, self.validated_loaded_metadata_reuse
+
+    def matches(self, signature: bytes, is_coordinator: bool) -> bool:
+        """Whether the cached plan was built for a state with this signature."""
+        if self.structure_signature != signature or self.cached_central_plan is None:
+            return False
+        return self.cached_global_metadata is not None or not is_coordinator
+
+    def remember(
+        self,
+        signature: bytes | None,
+        central_plan: SavePlan,
+        local_plan: SavePlan | None,
+        global_metadata: Metadata | None,
+    ) -> None:
+        """Replace the cache by the result of a full planning."""
+        self.structure_signature = signature
+        self.cached_central_plan = central_plan
+        self.cached_local_plan = local_plan
+        if global_metadata is not None:
+            self.cached_global_metadata = global_metadata
+        self.validated_cache_reuse = False
+        self.misses += 1
+
+    def invalidate(self) -> None:
+        self.structure_signature = None
+        self.cached_central_plan = None
+        self.validated_cache_reuse = False
+
+
+_checkpoint_metadata_cache: CheckpointMetadataCache | None = None
+
+
+def init_checkpoint_metadata_cache(cached_global_metadata: Metadata) -> None:
+    """Create the process-wide cache (once) and seed it with a loaded checkpoint's metadata."""
+    global _checkpoint_metadata_cache
+    if _checkpoint_metadata_cache is None:
+        _checkpoint_metadata_cache = CheckpointMetadataCache()
+    _checkpoint_metadata_cache.set_cached_global_metadata(cached_global_metadata)
+
+
+def get_metadata_caching_status() -> tuple[bool, bool] | None:
+    """``(validated_cache_reuse, validated_loaded_metadata_reuse)`` of the process-wide cache."""
+    if _checkpoint_metadata_cache is None:
+        return None
+    return _checkpoint_metadata_cache.get_metadata_caching_status()
+
+
+def verify_global_md_reuse(
+    loaded_all_plans: list[SavePlan], local_plan: SavePlan, rank: int, dist_wrapper: _DistWrapper
+) -> bool:
+    """True iff every rank's local plan equals its plan in the loaded metadata (collective,
+    on gloo; only when the loaded plans cover every rank)."""
+    if not loaded_all_plans or len(loaded_all_plans) != dist_wrapper.get_world_size():
+        return False
+    ok = plan_matches_loaded(loaded_all_plans, local_plan, rank, dist_wrapper.get_world_size())
+    return agree(ok, None, dist_wrapper, "verify_global_md_reuse")
+
+
+def _resolve_cache(
+    enable_cache: bool, metadata_cache: CheckpointMetadataCache | None
+) -> CheckpointMetadataCache | None:
+    global _checkpoint_metadata_cache
+    if not enable_cache:
+        return None
+    if metadata_cache is not None:
+        return metadata_cache
+    if _checkpoint_metadata_cache is None:
+        _checkpoint_metadata_cache = CheckpointMetadataCache()
+    return _checkpoint_metadata_cache
+
+
+def save_state_dict_async_plan(
+    state_dict: STATE_DICT_TYPE,
+    storage_writer: Any,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    planner: SavePlanner | None = None,
+    enable_cache: bool = False,
+    metadata_cache: CheckpointMetadataCache | None = None,
+) -> tuple[Any, Metadata | None, _DistWrapper]:
+    """Plan a DCP save and prepare the writer's background write (collective, all ranks).
+
+    Returns ``(storage_writer, global_metadata, dist_wrapper)``, to be passed unchanged to
+    :func:`save_state_dict_async_finalize`; ``global_metadata`` is None except on the
+    coordinator. With ``enable_cache`` (on every rank alike) the plan of the previous save is
+    reused while the state's structure is unchanged on every rank (one small gloo collective
+    per save checks it); ``metadata_cache`` defaults to the process-wide cache.
+    """
+    check_state_dict(state_dict)
+    check_writer(storage_writer)
+    use_dist = dist.is_available() and dist.is_initialized()
+    dist_wrapper = _DistWrapper(process_group, use_dist, coordinator_rank)
+    planner = planner if planner is not None else DefaultSavePlanner()
+    cache = _resolve_cache(enable_cache, metadata_cache)
+    planning = Planning(state_dict, storage_writer, planner, dist_wrapper)
+    started = time.perf_counter()
+    hit, signature, reused_loaded = False, None, False
+    if cache is not None:
+        hit, signature = planning.revalidate(cache)
+    if hit and cache is not None and cache.cached_central_plan is not None:
+        central_plan = cache.cached_central_plan
+    elif is_decentralized(planner, storage_writer):
+        loaded = cache.loaded_all_plans if cache is not None else None
+        loaded_md = cache.cached_global_metadata if cache is not None else None
+        central_plan, reused_loaded = planning.plan_decentralized(loaded, loaded_md)
+    else:
+        central_plan = planning.plan_centrally()
+    central_plan = planner.finish_plan(central_plan)
+    global_metadata = _update_cache(cache, hit, signature, central_plan, planning, reused_loaded)
+    plan_s = time.perf_counter() - started
+    storage_writer.prepare_write_data(central_plan, planner)
+    logger.info(
+        "planned save to %s in %.4fs (%s), prepared write in %.4fs",
+        getattr(storage_writer, "checkpoint_id", "?"),
+        plan_s,
+        "cached plan" if hit else "full planning",
+        time.perf_counter() - started - plan_s,
+    )
+    return storage_writer, global_metadata, dist_wrapper
+
+
+def _update_cache(
+    cache: CheckpointMetadataCache | None,
+    hit: bool,
+    signature: bytes | None,
+    central_plan: SavePlan,
+    planning: Planning,
+    reused_loaded: bool,
+) -> Metadata | None:
+    """Record this save in the cache; return the coordinator's metadata for this save.
+
+    The cache keeps pristine objects; each save gets a shallow copy, because ``finish``
+    fills in the copy's storage data.
+    """
+    is_coordinator = planning.dist_wrapper.is_coordinator
+    if cache is None:
+        return planning.global_metadata
+    cache.validated_loaded_metadata_reuse = reused_loaded
+    if hit:
+        cache.validated_cache_reuse = True
+        cache.hits += 1
+        metadata = cache.cached_global_metadata if is_coordinator else None
+    else:
+        cache.remember(signature, central_plan, planning.local_plan, planning.global_metadata)
+        metadata = planning.global_metadata
+    return copy.copy(metadata) if metadata is not None else None
+
+
+# -- finalize -------------------------------------------------------------------------------
+
+
+@dataclass
+class _RankOutcome:
+    """What each rank contributes to the commit: its write results and file checksums."""
+
+    write_results: list[WriteResult]
+    file_checksums: dict[str, tuple[int, int]]
+
+
+def save_state_dict_async_finalize(
+    storage_writer: Any, global_metadata: Metadata | None, dist_wrapper: _DistWrapper
+) -> None:
+    """Gather every rank's write outcome and commit (collective, all ranks).
+
+    Raises ``torch.distributed.checkpoint.CheckpointException`` on every rank when any
+    rank's write failed (naming those ranks; nothing is committed) or the commit failed.
+    """
+    started = time.perf_counter()
+
+    def collect() -> _RankOutcome:
+        results = storage_writer.retrieve_write_results()
+        return _RankOutcome(results, dict(getattr(storage_writer, "written_files", {}) or {}))
+
+    def commit(outcomes: list[_RankOutcome]) -> None:
+        _commit(storage_writer, global_metadata, outcomes)
+
+    dist_wrapper.all_reduce("write", collect, commit)
+    logger.info("finalized checkpoint save in %.4fs", time.perf_counter() - started)
+
+
+def _commit(writer: Any, metadata: Metadata | None, outcomes: list[_RankOutcome]) -> None:
+    if metadata is None:
+        raise InvalidRequestError(
+            "the coordinator has no global metadata to commit: pass the result of "
+            "save_state_dict_async_plan to save_state_dict_async_finalize unchanged"
+        )
+    results = [outcome.write_results for outcome in outcomes]
+    checksums: dict[str, tuple[int, int]] = {}
+    for outcome in outcomes:
+        checksums.update(outcome.file_checksums)
+    if "file_checksums" in inspect.signature(writer.finish).parameters:
+        writer.finish(metadata, results, file_checksums=checksums)
+    else:
+        writer.finish(metadata, results)
