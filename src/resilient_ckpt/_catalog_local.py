@@ -1,0 +1,146 @@
+"""The command-line tool's view of local checkpoints (``LocalCheckpointManager``'s files).
+
+A *session directory* ``<root>/<session>/`` holds one directory per rank; each holds copies
+``iter_<n>_<owner>_local.pt`` with a JSON manifest. An iteration is *complete* when every
+owner rank has at least one committed copy (data file + manifest, size as recorded) on any
+holder (replicas count), and *verified* when every such copy's CRC-32 was re-read and
+matched. Works without a process group: it only reads files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CheckpointingException, ConfigurationError
+from .local._format import deserialize, read_verified
+from .local._manifest import DATA, MANIFEST, Manifest, file_name, parse_name
+from .utils import preload_tensors
+
+
+@dataclass
+class LocalCopy:
+    iteration: int
+    owner: int
+    holder: int
+    path: str
+    manifest: Manifest | None
+    problem: str | None = None
+
+
+def is_session_dir(path: str) -> bool:
+    try:
+        subdirs = [d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))]
+    except OSError:
+        return False
+    return (
+        bool(subdirs)
+        and all(d.isdigit() for d in subdirs)
+        and any(parse_name(n) for d in subdirs for n in os.listdir(os.path.join(path, d)))
+    )
+
+
+def copies(session_dir: str) -> list[LocalCopy]:
+    found = []
+    for holder_name in sorted(os.listdir(session_dir), key=lambda n: int(n)):
+        holder_dir = os.path.join(session_dir, holder_name)
+        for name in sorted(os.listdir(holder_dir)):
+            parsed = parse_name(name)
+            if parsed is None or parsed[2] != DATA:
+                continue
+            iteration, owner, _ = parsed
+            path = os.path.join(holder_dir, name)
+            copy = LocalCopy(iteration, owner, int(holder_name), path, None)
+            manifest_path = os.path.join(holder_dir, file_name(iteration, owner, MANIFEST))
+            try:
+                with open(manifest_path, "rb") as f:
+                    copy.manifest = Manifest.from_json(f.read(), manifest_path)
+            except FileNotFoundError:
+                copy.problem = f"{path}: no manifest ({manifest_path} missing): not committed"
+            except CheckpointingException as exc:
+                copy.problem = str(exc)
+            if copy.manifest is not None and os.path.getsize(path) != copy.manifest.size:
+                copy.problem = (
+                    f"{path}: {os.path.getsize(path)} bytes, manifest says {copy.manifest.size}"
+                )
+            found.append(copy)
+    return found
+
+
+def verify_copy(copy: LocalCopy) -> None:
+    if copy.problem is None and copy.manifest is not None:
+        try:
+            read_verified(copy.path, copy.manifest.size, copy.manifest.crc32)
+        except CheckpointingException as exc:
+            copy.problem = str(exc)
+
+
+def summarize(session_dir: str, verify: bool) -> list[dict[str, Any]]:
+    """One record per iteration: world size, bytes, complete, verified, problems."""
+    by_iteration: dict[int, list[LocalCopy]] = defaultdict(list)
+    for copy in copies(session_dir):
+        if verify:
+            verify_copy(copy)
+        by_iteration[copy.iteration].append(copy)
+    records = []
+    for iteration, group in sorted(by_iteration.items()):
+        worlds = {c.manifest.world_size for c in group if c.manifest is not None}
+        world = max(worlds) if worlds else None
+        good_owners = {c.owner for c in group if c.problem is None and c.manifest is not None}
+        complete = world is not None and good_owners >= set(range(world))
+        records.append(
+            {
+                "iteration": iteration,
+                "world_size": world,
+                "nbytes": sum(os.path.getsize(c.path) for c in group),
+                "complete": complete,
+                "verified": (complete and all(c.problem is None for c in group))
+                if verify
+                else None,
+                "problems": [c.problem for c in group if c.problem]
+                + (
+                    []
+                    if complete
+                    else [
+                        f"iteration {iteration}: owner rank(s) "
+                        f"{sorted(set(range(world or 0)) - good_owners)} have no "
+                        "valid copy"
+                    ]
+                ),
+            }
+        )
+    return records
+
+
+def load_shard(path: str) -> Any:
+    """The state dict stored in one local copy file, checked against its manifest."""
+    parsed = parse_name(os.path.basename(path))
+    if parsed is None or parsed[2] != DATA:
+        raise ConfigurationError(f"{path!r} is not a local checkpoint file (iter_<n>_<r>_local.pt)")
+    manifest_path = os.path.join(os.path.dirname(path), file_name(parsed[0], parsed[1], MANIFEST))
+    with open(manifest_path, "rb") as f:
+        manifest = Manifest.from_json(f.read(), manifest_path)
+    state = deserialize(read_verified(path, manifest.size, manifest.crc32))
+    # The tensors view one shard buffer in several dtypes; give each its own storage so the
+    # result can be handed to torch.save.
+    return preload_tensors(getattr(state, "state_dict", state), non_blocking=False)
+
+
+def load_iteration(session_dir: str, iteration: int | None = None) -> dict[str, Any]:
+    """{"rank<r>": state_dict} of one complete iteration (default: the newest), any copy."""
+    complete = [r["iteration"] for r in summarize(session_dir, verify=False) if r["complete"]]
+    if not complete:
+        raise ConfigurationError(f"{session_dir!r} holds no complete local checkpoint")
+    target = max(complete) if iteration is None else iteration
+    out: dict[str, Any] = {}
+    for copy in copies(session_dir):
+        key = f"rank{copy.owner}"
+        if copy.iteration != target or key in out or copy.problem:
+            continue
+        try:
+            out[key] = load_shard(copy.path)
+        except CheckpointingException:
+            continue
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0][4:])))
