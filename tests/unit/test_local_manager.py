@@ -94,6 +94,14 @@ def test_save_refuses_older_iterations_on_disk(tmp_path):
     assert _load(root)[0] == 10_000_000
 
 
+@pytest.mark.parametrize("iteration", [-1, 2.0, "3", True, None])
+def test_iteration_must_be_a_non_negative_int(tmp_path, iteration):
+    mgr = LocalCheckpointManager(str(tmp_path), "s")
+    with pytest.raises(ConfigurationError, match="iteration must be an int >= 0"):
+        mgr.save(BasicTensorAwareStateDict(_state(1)), iteration)
+    assert mgr.find_latest() == -1
+
+
 @pytest.mark.parametrize("session", [1, "a/b", ".."])
 def test_bad_arguments(tmp_path, session):
     with pytest.raises(ConfigurationError):
