@@ -1,9 +1,18 @@
-"""Durable file writes: temporary name, fsync, atomic rename, directory fsync."""
+"""Durable file writes: temporary name, fsync, atomic rename, directory fsync.
+
+One mechanism for every file the library publishes on a POSIX file system (``torch.save``
+targets, local manifests, the POSIX storage backend): the content goes to a hidden
+temporary name in the same directory, is flushed and fsynced, and is renamed over the final
+name, so a reader sees the old file or the whole new one, never a torn one. The directory
+fsync that makes the rename itself durable is optional for callers that commit a batch of
+renames with one directory fsync of their own.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import IO
 
 
@@ -21,12 +30,17 @@ def temp_name(path: str) -> str:
     return os.path.join(head, f".{tail}.tmp-{os.getpid()}")
 
 
-def write_atomically(path: str, write: Callable[[IO[bytes]], None], sync: bool = True) -> None:
-    """Write ``path`` through ``write(f)``: readers see the old file or the whole new one."""
+@contextmanager
+def atomic_file(path: str, *, sync: bool = True, sync_dir: bool = True) -> Iterator[IO[bytes]]:
+    """A binary file whose content replaces ``path`` atomically when the block exits cleanly.
+
+    On an exception the temporary file is removed and ``path`` is left as it was.
+    ``sync=False`` skips every fsync; ``sync_dir=False`` skips only the directory's.
+    """
     tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            yield f
             f.flush()
             if sync:
                 os.fsync(f.fileno())
@@ -37,5 +51,11 @@ def write_atomically(path: str, write: Callable[[IO[bytes]], None], sync: bool =
         except FileNotFoundError:
             pass
         raise
-    if sync:
+    if sync and sync_dir:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_atomically(path: str, write: Callable[[IO[bytes]], None], sync: bool = True) -> None:
+    """Write ``path`` through ``write(f)``: readers see the old file or the whole new one."""
+    with atomic_file(path, sync=sync) as f:
+        write(f)

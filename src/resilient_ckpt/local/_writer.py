@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..async_ckpt._files import temp_name
+from ..async_ckpt._files import atomic_file
 from ..errors import SameMachineReplicationException, StorageError
 from ._format import ShardBuffer, ShardLayout, stream_to
 from ._manifest import DATA, DIRTY, MANIFEST, Manifest, file_name
@@ -64,20 +64,8 @@ def _write_copy(target: CopyTarget, source: Source) -> None:
 
 def _write_manifest(path: str, body: bytes, sync: bool) -> None:
     """Temporary name, fsync, rename. No directory fsync here: the commit's covers it."""
-    tmp = temp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(body)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_file(path, sync=sync, sync_dir=False) as f:
+        f.write(body)
 
 
 def write_copies(targets: Sequence[CopyTarget], sources: Sequence[Source]) -> None:

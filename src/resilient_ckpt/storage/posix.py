@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import BinaryIO
 
-from ..async_ckpt._files import fsync_dir, temp_name
+from ..async_ckpt._files import atomic_file
 from ..errors import StorageError
 from .base import StorageBackend
 
@@ -24,24 +24,8 @@ class PosixBackend(StorageBackend):
         except OSError as exc:
             raise StorageError(f"cannot create directory {path!r}: {exc.strerror}") from exc
 
-    @contextmanager
-    def open_write(self, path: str, *, sync: bool = True) -> Iterator[BinaryIO]:
-        tmp = temp_name(path)
-        try:
-            with open(tmp, "wb") as f:
-                yield f
-                f.flush()
-                if sync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        if sync:
-            fsync_dir(os.path.dirname(os.path.abspath(path)))
+    def open_write(self, path: str, *, sync: bool = True) -> AbstractContextManager[BinaryIO]:
+        return atomic_file(path, sync=sync)  # type: ignore[return-value]
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
