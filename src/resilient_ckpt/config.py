@@ -49,6 +49,34 @@ class Timeouts:
                 )
 
 
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a persistent background worker runs (NVRx's ``PersistentAsyncCaller`` arguments)."""
+
+    is_daemon: bool = True
+    cpu_priority: int = 10
+    io_priority: int | None = None
+    sigterm_timeout: float = 30.0
+    cpu_shm_mode: bool = False
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.cpu_priority, int)
+            or isinstance(self.cpu_priority, bool)
+            or not 0 <= self.cpu_priority <= 19
+        ):
+            raise ConfigurationError(
+                f"cpu_priority must be a nice value 0-19, got {self.cpu_priority!r}"
+            )
+        if self.io_priority is not None and self.io_priority not in (0, 1, 2, 3):
+            raise ConfigurationError(
+                f"io_priority must be None or an ionice class 0-3, got {self.io_priority!r}"
+            )
+        timeout = self.sigterm_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ConfigurationError(f"sigterm_timeout must be > 0 seconds, got {timeout!r}")
+
+
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(_ENV_PREFIX + name)
     if raw is None or raw == "":

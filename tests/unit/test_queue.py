@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from resilient_ckpt import TorchAsyncCheckpoint
-from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest, PersistentAsyncCaller
 from resilient_ckpt.config import Timeouts
 from resilient_ckpt.errors import (
     AsyncCallFailedError,
@@ -226,3 +226,20 @@ def test_bounded_memory_over_50_saves(tmp_path) -> None:
     assert _helpers.memfd_mappings() == base_maps == 1
     assert growth < 0.01, f"RSS grew {growth:.2%}"
     ckpt.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"cpu_priority": 25}, "cpu_priority"),
+        ({"cpu_priority": "low"}, "cpu_priority"),
+        ({"io_priority": 7}, "io_priority"),
+        ({"sigterm_timeout": 0}, "sigterm_timeout"),
+        ({"sigterm_timeout": "soon"}, "sigterm_timeout"),
+    ],
+)
+def test_worker_options_are_validated_at_construction(kwargs, fragment) -> None:
+    with pytest.raises(ConfigurationError, match=fragment):
+        AsyncCallsQueue(**kwargs)
+    with pytest.raises(ConfigurationError, match=fragment):
+        PersistentAsyncCaller(**kwargs)

@@ -19,11 +19,10 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from .._logging import get_logger
-from ..config import Timeouts
+from ..config import Timeouts, WorkerOptions
 from ..errors import (
     CheckpointingException,
     CheckpointTimeoutError,
-    ConfigurationError,
     WorkerDiedError,
 )
 from . import _completion, _worker
@@ -56,18 +55,11 @@ class PersistentAsyncCaller(AsyncCaller):
         max_staging_buffers: int = 2,
     ) -> None:
         super().__init__(timeouts)
-        if not isinstance(cpu_priority, int) or not 0 <= cpu_priority <= 19:
-            raise ConfigurationError(
-                f"cpu_priority must be a nice value 0-19, got {cpu_priority!r}"
-            )
-        if io_priority is not None and io_priority not in (0, 1, 2, 3):
-            raise ConfigurationError(f"io_priority must be None or 0-3, got {io_priority!r}")
-        if sigterm_timeout <= 0:
-            raise ConfigurationError(f"sigterm_timeout must be > 0, got {sigterm_timeout!r}")
-        self.is_daemon = is_daemon
-        self.cpu_priority = cpu_priority
-        self.io_priority = io_priority
-        self.sigterm_timeout = float(sigterm_timeout)
+        options = WorkerOptions(is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode)
+        self.is_daemon = options.is_daemon
+        self.cpu_priority = options.cpu_priority
+        self.io_priority = options.io_priority
+        self.sigterm_timeout = float(options.sigterm_timeout)
         # The worker never touches CUDA (the trainer stages), so this only records intent.
         self.cpu_shm_mode = cpu_shm_mode
         self.process: Any = None

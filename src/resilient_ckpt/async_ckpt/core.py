@@ -26,7 +26,7 @@ from collections import deque
 from typing import ClassVar, NamedTuple
 
 from .._logging import get_logger
-from ..config import Timeouts, default_timeouts
+from ..config import Timeouts, WorkerOptions, default_timeouts
 from ..errors import QueueClosedError
 from ._callers import AsyncCaller, TemporalAsyncCaller, agree_on_call
 from ._persistent import PersistentAsyncCaller
@@ -78,6 +78,8 @@ class AsyncCallsQueue:
         timeouts: Timeouts | None = None,
         max_staging_buffers: int = 2,
     ) -> None:
+        # Validated now, not when the worker is first started by a save.
+        WorkerOptions(is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode)
         self.persistent = persistent
         self.is_daemon = is_daemon
         self.cpu_priority = cpu_priority
