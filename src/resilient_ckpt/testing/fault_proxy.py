@@ -13,6 +13,9 @@ on 127.0.0.1, forwards only to the upstream it was given, and serves until ``clo
         proxy.arm("503", count=3, match=lambda method, path: method == "PUT")
         ...  # the first 3 PUTs through proxy.endpoint fail with 503
         assert proxy.injected == 3
+
+Several plans can be armed at once; a request takes the fault of the first plan that
+selects it. A plan given several modes cycles through them (``("503", "reset")``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import http.client
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -52,16 +55,17 @@ _ERROR_BODY = (
 
 @dataclass
 class FaultPlan:
-    """Fail the next ``count`` matching requests (every matching one when ``count`` is None)."""
+    """Fail the next ``count`` matching requests (every matching one when ``count`` is None),
+    with ``modes`` in turn."""
 
-    mode: str
+    modes: tuple[str, ...]
     count: int | None
     match: Match | None = None
     injected: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigurationError(f"fault mode must be one of {MODES}, got {self.mode!r}")
+        if not self.modes or any(mode not in MODES for mode in self.modes):
+            raise ConfigurationError(f"fault modes must be among {MODES}, got {self.modes!r}")
         if self.count is not None and self.count < 0:
             raise ConfigurationError(f"fault count must be >= 0 or None, got {self.count}")
 
@@ -71,20 +75,24 @@ class FaultPlan:
         if self.match is not None and not self.match(method, path):
             return None
         self.injected += 1
-        return self.mode
+        return self.modes[(self.injected - 1) % len(self.modes)]
 
 
 @dataclass
 class _State:
     upstream: tuple[str, int]
     lock: threading.Lock = field(default_factory=threading.Lock)
-    plan: FaultPlan | None = None
+    plans: list[FaultPlan] = field(default_factory=list)
     injected: int = 0
     log: list[tuple[str, str, str]] = field(default_factory=list)
 
     def decide(self, method: str, path: str) -> str | None:
         with self.lock:
-            fault = self.plan.take(method, path) if self.plan is not None else None
+            fault = None
+            for plan in self.plans:
+                fault = plan.take(method, path)
+                if fault is not None:
+                    break
             self.injected += fault is not None
             self.log.append((method, path, fault or "forwarded"))
             return fault
@@ -188,16 +196,19 @@ class FaultInjectingProxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def arm(self, mode: str, count: int | None, match: Match | None = None) -> None:
+    def arm(
+        self, mode: str | Sequence[str], count: int | None, match: Match | None = None
+    ) -> FaultPlan:
         """Fail the next ``count`` requests for which ``match(method, path)`` holds (all
         requests without ``match``; every matching one for good with ``count=None``)."""
-        plan = FaultPlan(mode, count, match)
+        plan = FaultPlan((mode,) if isinstance(mode, str) else tuple(mode), count, match)
         with self._state.lock:
-            self._state.plan = plan
+            self._state.plans.append(plan)
+        return plan
 
     def disarm(self) -> None:
         with self._state.lock:
-            self._state.plan = None
+            self._state.plans.clear()
 
     @property
     def injected(self) -> int:
