@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("multistorageclient", reason="needs the msc extra (multi-storage-client)")
 pytest.importorskip("moto.server", reason="needs moto[server] (the dev extra)")
 
-from resilient_ckpt.testing.fault_proxy import FaultInjectingProxy  # noqa: E402
+from resilient_ckpt.testing.fault_proxy import FaultInjectingProxy
 
 REGION = "us-east-1"
 ACCESS_KEY = "testing-access-key"

@@ -63,9 +63,13 @@ def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
 
 def _bit_exact(expected: dict[str, Any], actual: dict[str, Any]) -> None:
     for key, value in expected.items():
-        a, b = (value.to_local(), actual[key].to_local()) if isinstance(value, DTensor) else (
-            value,
-            actual[key],
+        a, b = (
+            (value.to_local(), actual[key].to_local())
+            if isinstance(value, DTensor)
+            else (
+                value,
+                actual[key],
+            )
         )
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
 
@@ -110,7 +114,9 @@ def _seed_example(rank: int, world: int, checkpoint_path: str) -> list[str]:
     # Until finalize commits, there is no metadata object: the checkpoint is invisible.
     assert not backend.exists(backend.join(checkpoint_path, ".metadata"))
     with pytest.raises((FileNotFoundError, CheckpointException)):
-        load(_zeros_like(state_dict), storage_reader=CachedMetadataFileSystemReader(checkpoint_path))
+        load(
+            _zeros_like(state_dict), storage_reader=CachedMetadataFileSystemReader(checkpoint_path)
+        )
     dist.barrier()
     async_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
     async_queue.close()

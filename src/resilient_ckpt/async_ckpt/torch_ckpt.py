@@ -51,7 +51,7 @@ def _check_target(f: Any) -> str:
             "background writer"
         )
     if is_msc_url(f):
-        get_backend(f)  # resolves the profile now: a bad one fails here, not in the worker
+        get_backend(str(f))  # resolves the profile now: a bad one fails here, not in the worker
         return str(f)
     path = os.fspath(f)
     parent = os.path.dirname(os.path.abspath(path))

@@ -51,7 +51,9 @@ __all__ = ["MscBackend", "parse_msc_url", "storage_client"]
 T = TypeVar("T")
 
 MSC_SCHEME = "msc://"
-_DEFAULT_CONFIG_LOCATIONS = "~/.msc_config.yaml, ~/.config/msc/config.yaml, /etc/xdg/msc/config.yaml"
+_DEFAULT_CONFIG_LOCATIONS = (
+    "~/.msc_config.yaml, ~/.config/msc/config.yaml, /etc/xdg/msc/config.yaml"
+)
 
 _clients: dict[tuple[int, str, str | None], Any] = {}
 _clients_lock = threading.Lock()
@@ -60,9 +62,7 @@ _clients_lock = threading.Lock()
 def parse_msc_url(path: str) -> tuple[str, str]:
     """``msc://profile/a/b`` -> ``("profile", "a/b")``; a named error for anything else."""
     if not isinstance(path, str) or not path.startswith(MSC_SCHEME):
-        raise ConfigurationError(
-            f"not an msc:// URL: {path!r}; write it as msc://<profile>/<path>"
-        )
+        raise ConfigurationError(f"not an msc:// URL: {path!r}; write it as msc://<profile>/<path>")
     profile, _, key = path[len(MSC_SCHEME) :].partition("/")
     if not profile:
         raise ConfigurationError(
@@ -277,7 +277,7 @@ class MscBackend(StorageBackend):
         os.close(fd)
         try:
             client.download_file(key, local, info)
-            return open(local, "rb")  # noqa: SIM115  # closed by open_read
+            return open(local, "rb")  # closed by open_read
         finally:
             os.unlink(local)  # the open file stays readable; nothing is left behind
 

@@ -102,12 +102,12 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: Any
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  # quiet
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
     def _body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            chunks = []
+            chunks: list[bytes] = []
             while True:
                 size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
                 if size == 0:
@@ -124,9 +124,7 @@ class _Handler(BaseHTTPRequestHandler):
         fault = state.decide(self.command, self.path)
         if fault == "reset":
             # SO_LINGER with a zero timeout makes close() send RST: a dropped connection.
-            self.connection.setsockopt(
-                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-            )
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.close_connection = True
             return
         if fault == "503":
