@@ -152,27 +152,6 @@ def _save_and_load(queue: AsyncCallsQueue, path: str) -> None:
     _bit_exact(state, loaded)
 
 
-def _transient(rank: int, world: int, path: str) -> None:
-    queue = AsyncCallsQueue()
-    try:
-        _save_and_load(queue, path)
-    finally:
-        queue.close()
-
-
-def test_transient_faults_are_retried(s3_store) -> None:
-    """The first requests of a save (whatever they are: uploads, stats, downloads) fail with
-    503 or a reset connection, in turn; the save retries them, commits and loads back.
-    Fewer faults than the policy's 6 tries, so even one operation that takes them all
-    succeeds."""
-    s3_store.proxy.arm(("503", "reset"), count=5)
-    launch(_transient, 2, s3_store.url("iteration-0001"), timeout=150)
-    assert s3_store.proxy.injected == 5
-    faults = [outcome for _, _, outcome in s3_store.proxy.requests()[:5]]
-    assert faults == ["503", "reset", "503", "reset", "503"]
-    assert "iteration-0001/.metadata" in s3_store.keys("iteration-0001")
-
-
 def _expect_failure(queue: AsyncCallsQueue, path: str) -> str:
     state = _model_state(dist.get_rank(), dist.get_world_size())
     async_save_checkpoint(path, state, async_queue=queue)
@@ -181,9 +160,13 @@ def _expect_failure(queue: AsyncCallsQueue, path: str) -> str:
     return str(info.value)
 
 
-def _persistent(rank: int, world: int, data_fails: str, commit_fails: str) -> list[str]:
+def _faults(rank: int, world: int, ok: str, data_fails: str, commit_fails: str) -> list[str]:
+    """One launch for all three saves (a launch costs more than the saves): transient
+    faults that must be retried, then two persistent ones that must fail everywhere."""
     queue = AsyncCallsQueue()
     try:
+        _save_and_load(queue, ok)
+        dist.barrier()
         messages = [_expect_failure(queue, data_fails)]
         dist.barrier()
         messages.append(_expect_failure(queue, commit_fails))
@@ -192,17 +175,32 @@ def _persistent(rank: int, world: int, data_fails: str, commit_fails: str) -> li
     return messages
 
 
-def test_persistent_faults_raise_on_every_rank_and_commit_nothing(s3_store) -> None:
-    """Rank 1's data uploads always fail (503), or the metadata upload does (reset): every
-    rank raises, naming the object and the last error, and no metadata object exists."""
+def test_transient_faults_are_retried_persistent_ones_raise_everywhere(s3_store) -> None:
+    """Transient: the first requests of a save to iteration-0001 (whatever they are: uploads,
+    stats, downloads) fail with 503 or a reset connection, in turn; the save retries them,
+    commits and loads back (fewer faults than the policy's 6 tries, so even one operation
+    that takes them all succeeds). Persistent: rank 1's data uploads to iteration-0003
+    always fail (503), or the metadata upload of iteration-0004 does (reset): every rank
+    raises, naming the object and the last error, and no metadata object exists."""
+    ok = s3_store.url("iteration-0001")
     data_fails, commit_fails = s3_store.url("iteration-0003"), s3_store.url("iteration-0004")
+    transient = s3_store.proxy.arm(
+        ("503", "reset"), count=5, match=lambda m, p: "iteration-0001" in p
+    )
     s3_store.proxy.arm(
         "503", None, match=lambda m, p: m == "PUT" and "iteration-0003/__1_" in p and "distcp" in p
     )
     s3_store.proxy.arm(
         "reset", None, match=lambda m, p: m == "PUT" and p.endswith("iteration-0004/.metadata")
     )
-    results = launch(_persistent, 2, data_fails, commit_fails, timeout=150)
+    results = launch(_faults, 2, ok, data_fails, commit_fails, timeout=170)
+
+    assert transient.injected == 5
+    log = s3_store.proxy.requests()
+    first = [outcome for _, p, outcome in log if "iteration-0001" in p][:5]
+    assert first == ["503", "reset", "503", "reset", "503"]
+    assert "iteration-0001/.metadata" in s3_store.keys("iteration-0001")
+
     for rank, (data_msg, commit_msg) in enumerate(results):
         assert f"{data_fails}/__1_" in data_msg, (rank, data_msg)
         assert "after 6 attempt(s)" in data_msg and "503" in data_msg, (rank, data_msg)
@@ -210,6 +208,5 @@ def test_persistent_faults_raise_on_every_rank_and_commit_nothing(s3_store) -> N
         assert "after 6 attempt(s)" in commit_msg, (rank, commit_msg)
     assert not any(k.endswith(".metadata") for k in s3_store.keys("iteration-0003"))
     assert not any(k.endswith(".metadata") for k in s3_store.keys("iteration-0004"))
-    # every attempt reached the proxy: 6 per data object of rank 1, 6 for the metadata
-    log = s3_store.proxy.requests()
-    assert sum(1 for m, p, o in log if o == "reset" and p.endswith(".metadata")) == 6
+    # every attempt of the commit reached the proxy: the policy's 6 tries
+    assert sum(1 for _, p, o in log if o == "reset" and p.endswith("0004/.metadata")) == 6
