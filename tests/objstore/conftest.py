@@ -8,6 +8,8 @@ spawned ranks and workers inherit the environment. Retry backoff is shortened so
 faults cost milliseconds; the client libraries' own retries are off in these profiles, so
 the library's retry policy alone decides (and tests can count tries exactly). Profile names
 are unique per test because MSC caches its clients by profile name, process-wide.
+``s3_and_posix_stores`` gives both stores at once (one config, two profiles) to
+multi-process tests, so that each scenario pays for one launch of ranks, not two.
 """
 
 from __future__ import annotations
@@ -168,3 +170,27 @@ def s3_store(
     for store in _s3_store(s3_server, tmp_path):
         monkeypatch.setenv("MSC_CONFIG", store.config_path)
         yield store
+
+
+@pytest.fixture
+def s3_and_posix_stores(
+    s3_server: tuple[str, int], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Store, Store]]:
+    """Both stores at once, their profiles in one MSC config, for tests that run the same
+    multi-process scenario on each and would otherwise pay for two launches."""
+    import yaml
+
+    _fast_retries(monkeypatch)
+    (tmp_path / "posix").mkdir()
+    (tmp_path / "s3").mkdir()
+    posix = _posix_store(tmp_path / "posix")
+    for s3 in _s3_store(s3_server, tmp_path / "s3"):
+        profiles: dict[str, Any] = {}
+        for store in (s3, posix):
+            with open(store.config_path) as f:
+                profiles.update(yaml.safe_load(f)["profiles"])
+        config = str(tmp_path / "msc_config.yaml")
+        with open(config, "w") as f:
+            yaml.safe_dump({"profiles": profiles}, f)
+        monkeypatch.setenv("MSC_CONFIG", config)
+        yield s3, posix

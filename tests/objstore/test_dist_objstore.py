@@ -107,9 +107,10 @@ def load_checkpoint(checkpoint_path: str, state_dict: dict) -> dict:
     return state_dict
 
 
-def _seed_example(rank: int, world: int, checkpoint_path: str) -> list[str]:
-    state_dict = _model_state(rank, world)
-    async_queue = async_save_checkpoint(checkpoint_path, state_dict)
+def _seed_example(
+    checkpoint_path: str, state_dict: dict, async_queue: AsyncCallsQueue | None
+) -> tuple[AsyncCallsQueue, list[str]]:
+    async_queue = async_save_checkpoint(checkpoint_path, state_dict, async_queue=async_queue)
     backend = get_backend(checkpoint_path)
     # Until finalize commits, there is no metadata object: the checkpoint is invisible.
     assert not backend.exists(backend.join(checkpoint_path, ".metadata"))
@@ -119,7 +120,6 @@ def _seed_example(rank: int, world: int, checkpoint_path: str) -> list[str]:
         )
     dist.barrier()
     async_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
-    async_queue.close()
 
     loaded_state_dict = load_checkpoint(checkpoint_path, _zeros_like(state_dict))
     _bit_exact(state_dict, loaded_state_dict)
@@ -127,17 +127,34 @@ def _seed_example(rank: int, world: int, checkpoint_path: str) -> list[str]:
     load(ours, storage_reader=CachedMetadataFileSystemReader(checkpoint_path, thread_count=3))
     _bit_exact(state_dict, ours)
     assert verify_checkpoint(checkpoint_path).checksummed
-    return backend.list(checkpoint_path)
+    return async_queue, backend.list(checkpoint_path)
 
 
-def test_seed_example_two_ranks_bit_exact(msc_store) -> None:
-    path = msc_store.url("iteration-0010")
-    listed = launch(_seed_example, 2, path, timeout=150)
-    assert listed[0] == listed[1]
-    assert ".metadata" in listed[0]
-    assert any(name.startswith("__0_") for name in listed[0])
-    assert any(name.startswith("__1_") for name in listed[0])
-    assert not any(name.endswith(".write_results") for name in listed[0])
+def _seed_examples(rank: int, world: int, paths: list[str]) -> list[list[str]]:
+    """The seed's example once per path, on one queue (as a training job saving twice)."""
+    state_dict = _model_state(rank, world)
+    queue, listed = None, []
+    try:
+        for path in paths:
+            queue, names = _seed_example(path, state_dict, queue)
+            listed.append(names)
+    finally:
+        if queue is not None:
+            queue.close()
+    return listed
+
+
+def test_seed_example_two_ranks_bit_exact(s3_and_posix_stores) -> None:
+    """On the S3 server and on MSC's POSIX provider, in one launch (launches are the cost)."""
+    paths = [store.url("iteration-0010") for store in s3_and_posix_stores]
+    per_rank = launch(_seed_examples, 2, paths, timeout=170)
+    assert per_rank[0] == per_rank[1]
+    for store, listed in zip(s3_and_posix_stores, per_rank[0], strict=True):
+        assert ".metadata" in listed, store.kind
+        assert any(name.startswith("__0_") for name in listed), store.kind
+        assert any(name.startswith("__1_") for name in listed), store.kind
+        assert not any(name.endswith(".write_results") for name in listed), store.kind
+        assert "iteration-0010/.metadata" in store.keys("iteration-0010"), store.kind
 
 
 # -- retries and failures, through the fault-injecting proxy ----------------------------------
