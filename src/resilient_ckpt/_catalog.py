@@ -5,6 +5,10 @@ directory holding ``.metadata`` (complete) or only ``__<rank>_<k>.distcp`` files
 (incomplete: never committed); a *local* checkpoint root holds
 ``<session>/<rank>/iter_<n>_<owner>_local.*`` files; any other ``*.pt`` / ``*.pth`` file is a
 ``torch.save`` file.
+
+Listing and verification go through the storage backend of the path, so the same walk works
+on a local directory and on ``msc://<profile>/<prefix>``: one listing per level (with the
+sizes it carries), no per-file calls.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 import torch
 
 from .errors import CheckpointingException, ConfigurationError
+from .storage import StorageBackend, get_backend
+from .storage.base import Listing, is_msc_url
 
 DEFAULT_BENCHMARKS = ["async_save", "dcp_save", "local_ckpt"]
 _METADATA = ".metadata"
@@ -60,19 +66,12 @@ class Report:
 
 
 def _is_dcp_dir(path: str) -> bool:
-    try:
-        names = os.listdir(path)
-    except (NotADirectoryError, FileNotFoundError, PermissionError):
-        return False
-    return _METADATA in names or any(n.endswith(".distcp") for n in names)
+    backend = get_backend(path)
+    return backend.is_dir(path) and _is_dcp_listing(backend.scan(path))
 
 
-def _dir_bytes(path: str) -> int:
-    return sum(
-        os.path.getsize(os.path.join(path, n))
-        for n in os.listdir(path)
-        if os.path.isfile(os.path.join(path, n))
-    )
+def _is_dcp_listing(listing: Listing) -> bool:
+    return _METADATA in listing.files or any(n.endswith(".distcp") for n in listing.files)
 
 
 def _iteration_of(path: str) -> int | None:
@@ -81,9 +80,10 @@ def _iteration_of(path: str) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-def _dcp_entry(path: str, verify: bool) -> Entry:
-    complete = os.path.exists(os.path.join(path, _METADATA))
-    entry = Entry("dcp", path, _iteration_of(path), nbytes=_dir_bytes(path), complete=complete)
+def _dcp_entry(path: str, listing: Listing, verify: bool) -> Entry:
+    complete = _METADATA in listing.files
+    nbytes = sum(listing.files.values())
+    entry = Entry("dcp", path, _iteration_of(path), nbytes=nbytes, complete=complete)
     if complete:
         entry.world_size = _dcp_world_size(path)
     if verify:
@@ -106,9 +106,12 @@ def _dcp_world_size(path: str) -> int | None:
 
 
 def read_dcp_metadata(path: str) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+    """The unpickled ``.metadata`` of the DCP checkpoint at ``path`` (any backend)."""
+    import pickle
 
-    return FileSystemReader(path).read_metadata()
+    backend = get_backend(path)
+    with backend.open_read(backend.join(path, _METADATA)) as f:
+        return pickle.load(f)
 
 
 def verify_dcp(path: str) -> Report:
@@ -123,35 +126,39 @@ def verify_dcp(path: str) -> Report:
 
 
 def discover(root: str, verify: bool = False) -> list[Entry]:
-    if not os.path.exists(root):
+    backend = get_backend(root)
+    if not backend.exists(root):
         raise ConfigurationError(f"{root!r} does not exist")
+    if not backend.is_dir(root):
+        return [Entry("torch", root, _iteration_of(root), nbytes=backend.size(root))]
     entries: list[Entry] = []
-    if os.path.isfile(root):
-        return [Entry("torch", root, _iteration_of(root), nbytes=os.path.getsize(root))]
-    for dirpath, dirnames, filenames in os.walk(root):
-        if _is_dcp_dir(dirpath):
-            entries.append(_dcp_entry(dirpath, verify))
-            dirnames[:] = []
-            continue
-        local = _local_entries(dirpath, verify)
-        if local is not None:
-            entries.extend(local)
-            dirnames[:] = []
-            continue
-        for name in sorted(filenames):
-            if name.endswith((".pt", ".pth")) and not name.startswith("."):
-                full = os.path.join(dirpath, name)
-                entries.append(
-                    Entry("torch", full, _iteration_of(full), nbytes=os.path.getsize(full))
-                )
-        dirnames.sort()
+    _walk(backend, root, verify, entries)
     return sorted(entries, key=lambda e: (e.path, e.iteration or 0))
 
 
-def _local_entries(path: str, verify: bool) -> list[Entry] | None:
+def _walk(backend: StorageBackend, path: str, verify: bool, entries: list[Entry]) -> None:
+    listing = backend.scan(path)
+    if _is_dcp_listing(listing):
+        entries.append(_dcp_entry(path, listing, verify))
+        return
+    local = _local_entries(backend, path, listing, verify)
+    if local is not None:
+        entries.extend(local)
+        return
+    for name in sorted(listing.files):
+        if name.endswith((".pt", ".pth")) and not name.startswith("."):
+            full = backend.join(path, name)
+            entries.append(Entry("torch", full, _iteration_of(full), nbytes=listing.files[name]))
+    for name in listing.dirs:
+        _walk(backend, backend.join(path, name), verify, entries)
+
+
+def _local_entries(
+    backend: StorageBackend, path: str, listing: Listing, verify: bool
+) -> list[Entry] | None:
     from . import _catalog_local
 
-    if not _catalog_local.is_session_dir(path):
+    if not _catalog_local.is_session_dir(path, backend=backend, listing=listing):
         return None
     return [
         Entry(
@@ -164,17 +171,18 @@ def _local_entries(path: str, verify: bool) -> list[Entry] | None:
             r["verified"],
             r["problems"],
         )
-        for r in _catalog_local.summarize(path, verify)
+        for r in _catalog_local.summarize(path, verify, backend=backend)
     ]
 
 
 def verify_all(path: str, progress: bool = True) -> list[Report]:
-    if os.path.isfile(path):
+    backend = get_backend(path)
+    if backend.exists(path) and not backend.is_dir(path):
         try:
             _load_file(path)
         except Exception as exc:  # any load failure is a verification failure
             return [Report("torch", path, False, [f"torch.load failed: {exc}"])]
-        return [Report("torch", path, True, [], os.path.getsize(path))]
+        return [Report("torch", path, True, [], backend.size(path))]
     return [
         Report(
             e.kind,
@@ -207,7 +215,8 @@ def _describe(key: str, value: Any, out: list[dict[str, Any]]) -> None:
 
 def inspect(path: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    if os.path.isdir(path) and _is_dcp_dir(path):
+    backend = get_backend(path)
+    if _is_dcp_dir(path):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = read_dcp_metadata(path)
@@ -226,7 +235,7 @@ def inspect(path: str) -> list[dict[str, Any]]:
                     }
                 )
         return out
-    if os.path.isfile(path):
+    if backend.exists(path) and not backend.is_dir(path):
         _describe("", _load_file(path), out)
         return out
     from . import _catalog_local
@@ -243,6 +252,10 @@ def _load_file(path: str) -> Any:
     from . import _catalog_local
     from .local._manifest import parse_name
 
+    if is_msc_url(path):
+        backend = get_backend(path)
+        with backend.open_read(path) as f:
+            return torch.load(f, map_location="cpu", weights_only=False)
     if parse_name(os.path.basename(path)):
         return _catalog_local.load_shard(path)
     return torch.load(path, map_location="cpu", weights_only=False)
@@ -251,6 +264,11 @@ def _load_file(path: str) -> Any:
 def convert(src: str, dst: str) -> str:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
+    if is_msc_url(src) or is_msc_url(dst):
+        raise ConfigurationError(
+            "convert works on local paths only; for msc:// checkpoints load them with "
+            "CachedMetadataFileSystemReader and save where you need"
+        )
     if os.path.isdir(src) and _is_dcp_dir(src):
         if not os.path.exists(os.path.join(src, _METADATA)):
             raise ConfigurationError(f"{src!r} is not committed (no .metadata); nothing to convert")

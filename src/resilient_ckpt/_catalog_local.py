@@ -4,20 +4,26 @@ A *session directory* ``<root>/<session>/`` holds one directory per rank; each h
 ``iter_<n>_<owner>_local.pt`` with a JSON manifest. An iteration is *complete* when every
 owner rank has at least one committed copy (data file + manifest, size as recorded) on any
 holder (replicas count), and *verified* when every such copy's CRC-32 was re-read and
-matched. Works without a process group: it only reads files.
+matched. Works without a process group: it only reads files, through the storage backend
+of the path (listing and verification; loading a shard reads local files).
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointingException, ConfigurationError
+from .errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from .local._format import deserialize, read_verified
 from .local._manifest import DATA, MANIFEST, Manifest, file_name, parse_name
+from .storage import PosixBackend, StorageBackend, get_backend
+from .storage.base import Listing
 from .utils import preload_tensors
+
+_CHUNK = 8 << 20
 
 
 @dataclass
@@ -28,61 +34,91 @@ class LocalCopy:
     path: str
     manifest: Manifest | None
     problem: str | None = None
+    size: int = 0
 
 
-def is_session_dir(path: str) -> bool:
+def is_session_dir(
+    path: str, *, backend: StorageBackend | None = None, listing: Listing | None = None
+) -> bool:
+    """``path`` holds only rank directories, and some hold local checkpoint files."""
+    backend = backend or get_backend(path)
     try:
-        subdirs = [d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))]
+        subdirs = (listing or backend.scan(path)).dirs
+        return (
+            bool(subdirs)
+            and all(d.isdigit() for d in subdirs)
+            and any(parse_name(n) for d in subdirs for n in backend.list(backend.join(path, d)))
+        )
     except OSError:
         return False
-    return (
-        bool(subdirs)
-        and all(d.isdigit() for d in subdirs)
-        and any(parse_name(n) for d in subdirs for n in os.listdir(os.path.join(path, d)))
-    )
 
 
-def copies(session_dir: str) -> list[LocalCopy]:
+def copies(session_dir: str, *, backend: StorageBackend | None = None) -> list[LocalCopy]:
+    backend = backend or get_backend(session_dir)
     found = []
-    for holder_name in sorted(os.listdir(session_dir), key=lambda n: int(n)):
-        holder_dir = os.path.join(session_dir, holder_name)
-        for name in sorted(os.listdir(holder_dir)):
+    for holder_name in sorted(backend.scan(session_dir).dirs, key=lambda n: int(n)):
+        holder_dir = backend.join(session_dir, holder_name)
+        sizes = backend.scan(holder_dir).files
+        for name in sorted(sizes):
             parsed = parse_name(name)
             if parsed is None or parsed[2] != DATA:
                 continue
             iteration, owner, _ = parsed
-            path = os.path.join(holder_dir, name)
-            copy = LocalCopy(iteration, owner, int(holder_name), path, None)
-            manifest_path = os.path.join(holder_dir, file_name(iteration, owner, MANIFEST))
+            path = backend.join(holder_dir, name)
+            copy = LocalCopy(iteration, owner, int(holder_name), path, None, size=sizes[name])
+            manifest_path = backend.join(holder_dir, file_name(iteration, owner, MANIFEST))
             try:
-                with open(manifest_path, "rb") as f:
+                with backend.open_read(manifest_path) as f:
                     copy.manifest = Manifest.from_json(f.read(), manifest_path)
             except FileNotFoundError:
                 copy.problem = f"{path}: no manifest ({manifest_path} missing): not committed"
             except CheckpointingException as exc:
                 copy.problem = str(exc)
-            if copy.manifest is not None and os.path.getsize(path) != copy.manifest.size:
-                copy.problem = (
-                    f"{path}: {os.path.getsize(path)} bytes, manifest says {copy.manifest.size}"
-                )
+            if copy.manifest is not None and copy.size != copy.manifest.size:
+                copy.problem = f"{path}: {copy.size} bytes, manifest says {copy.manifest.size}"
             found.append(copy)
     return found
 
 
-def verify_copy(copy: LocalCopy) -> None:
+def verify_copy(copy: LocalCopy, *, backend: StorageBackend | None = None) -> None:
     if copy.problem is None and copy.manifest is not None:
+        backend = backend or get_backend(copy.path)
         try:
-            read_verified(copy.path, copy.manifest.size, copy.manifest.crc32)
+            if isinstance(backend, PosixBackend):
+                read_verified(copy.path, copy.manifest.size, copy.manifest.crc32)
+            else:
+                _verify_stream(backend, copy.path, copy.manifest.size, copy.manifest.crc32)
         except CheckpointingException as exc:
             copy.problem = str(exc)
 
 
-def summarize(session_dir: str, verify: bool) -> list[dict[str, Any]]:
+def _verify_stream(backend: StorageBackend, path: str, size: int, crc32: int) -> None:
+    """``read_verified``'s checks, streaming through any backend (no tensor is built)."""
+    crc, got = 0, 0
+    with backend.open_read(path) as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            got += len(chunk)
+    if got != size:
+        raise CorruptCheckpointError(
+            f"{path}: size differs from its manifest (expected {size} bytes)", path=path
+        )
+    if crc != crc32:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch (crc32 {crc:#010x}, manifest says {crc32:#010x})",
+            path=path,
+        )
+
+
+def summarize(
+    session_dir: str, verify: bool, *, backend: StorageBackend | None = None
+) -> list[dict[str, Any]]:
     """One record per iteration: world size, bytes, complete, verified, problems."""
+    backend = backend or get_backend(session_dir)
     by_iteration: dict[int, list[LocalCopy]] = defaultdict(list)
-    for copy in copies(session_dir):
+    for copy in copies(session_dir, backend=backend):
         if verify:
-            verify_copy(copy)
+            verify_copy(copy, backend=backend)
         by_iteration[copy.iteration].append(copy)
     records = []
     for iteration, group in sorted(by_iteration.items()):
@@ -94,7 +130,7 @@ def summarize(session_dir: str, verify: bool) -> list[dict[str, Any]]:
             {
                 "iteration": iteration,
                 "world_size": world,
-                "nbytes": sum(os.path.getsize(c.path) for c in group),
+                "nbytes": sum(c.size for c in group),
                 "complete": complete,
                 "verified": (complete and all(c.problem is None for c in group))
                 if verify

@@ -16,6 +16,22 @@ RESILIENT_CKPT_SHUTDOWN_TIMEOUT        close(): drain before terminate/kill     
 RESILIENT_CKPT_POLL_INTERVAL           sleep between polls of a blocking wait      0.05 s
 =====================================  ==========================================  =======
 
+Object stores (``msc://`` paths) retry transient errors under a :class:`RetryPolicy` and
+buffer each object before its upload under :class:`ObjectStoreOptions`:
+
+=====================================  ==========================================  =======
+variable                               meaning                                     default
+=====================================  ==========================================  =======
+RESILIENT_CKPT_RETRY_ATTEMPTS          tries per object operation (1 = no retry)   6
+RESILIENT_CKPT_RETRY_BASE_DELAY        backoff before the 2nd try                  0.5 s
+RESILIENT_CKPT_RETRY_MULTIPLIER        backoff growth per try                      2.0
+RESILIENT_CKPT_RETRY_MAX_DELAY         cap of one backoff                          30 s
+RESILIENT_CKPT_RETRY_JITTER            random share of each backoff (0..1)         1.0
+RESILIENT_CKPT_RETRY_DEADLINE          give up once an operation has taken this    600 s
+RESILIENT_CKPT_MSC_SPOOL_BYTES         upload buffer kept in memory, then a file   256 MiB
+RESILIENT_CKPT_MSC_SPOOL_DIR           where larger buffers spill (default: TMPDIR)  -
+=====================================  ==========================================  =======
+
 :func:`local_world_size` reads the launcher's ``LOCAL_WORLD_SIZE`` (ranks per node, set by
 ``torchrun``), which sizes the default replication jump of local checkpoints.
 """
@@ -85,7 +101,7 @@ def _env_float(name: str, default: float) -> float:
         return float(raw)
     except ValueError as exc:
         raise ConfigurationError(
-            f"environment variable {_ENV_PREFIX + name}={raw!r} is not a number of seconds"
+            f"environment variable {_ENV_PREFIX + name}={raw!r} is not a number"
         ) from exc
 
 
@@ -98,6 +114,115 @@ def default_timeouts() -> Timeouts:
         collective=_env_float("COLLECTIVE_TIMEOUT", base.collective),
         shutdown=_env_float("SHUTDOWN_TIMEOUT", base.shutdown),
         poll_interval=_env_float("POLL_INTERVAL", base.poll_interval),
+    )
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Jittered exponential backoff for transient object-store errors.
+
+    Try ``k`` (1-based) that fails transiently is followed, if tries and time remain, by a
+    sleep of ``min(max_delay, base_delay * multiplier**(k-1))`` of which a ``jitter`` share
+    is drawn at random (1.0 is "full jitter": uniform between 0 and the cap), so ranks that
+    failed together do not retry together. ``attempts`` counts every try, the first included;
+    no retry starts once ``deadline`` seconds have passed since the first try.
+    """
+
+    attempts: int = 6
+    base_delay: float = 0.5
+    multiplier: float = 2.0
+    max_delay: float = 30.0
+    jitter: float = 1.0
+    deadline: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool):
+            raise ConfigurationError(f"RetryPolicy.attempts must be an int, got {self.attempts!r}")
+        if self.attempts < 1:
+            raise ConfigurationError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        for name in ("base_delay", "max_delay", "deadline"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise ConfigurationError(
+                    f"RetryPolicy.{name} must be a number of seconds >= 0, got {value!r}"
+                )
+        if not _is_number(self.multiplier) or self.multiplier < 1:
+            raise ConfigurationError(
+                f"RetryPolicy.multiplier must be a number >= 1, got {self.multiplier!r}"
+            )
+        if not _is_number(self.jitter) or not 0 <= self.jitter <= 1:
+            raise ConfigurationError(
+                f"RetryPolicy.jitter must be a number in [0, 1], got {self.jitter!r}"
+            )
+
+    def backoff_cap(self, failed_attempt: int) -> float:
+        """The longest sleep after try ``failed_attempt`` (1-based) failed."""
+        exponent = min(failed_attempt - 1, 64)  # keeps the power finite
+        return float(min(self.max_delay, self.base_delay * self.multiplier**exponent))
+
+
+@dataclass(frozen=True)
+class ObjectStoreOptions:
+    """How an object is buffered before its upload (object stores take whole objects).
+
+    Up to ``spool_bytes`` stay in memory; a larger object spills to a temporary file in
+    ``spool_dir`` (the system default when None) and is uploaded from there, in parts.
+    """
+
+    spool_bytes: int = 256 << 20
+    spool_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spool_bytes, int) or isinstance(self.spool_bytes, bool):
+            raise ConfigurationError(
+                f"ObjectStoreOptions.spool_bytes must be an int, got {self.spool_bytes!r}"
+            )
+        if self.spool_bytes < 0:
+            raise ConfigurationError(
+                f"ObjectStoreOptions.spool_bytes must be >= 0, got {self.spool_bytes}"
+            )
+        if self.spool_dir is not None and not os.path.isdir(self.spool_dir):
+            raise ConfigurationError(
+                f"ObjectStoreOptions.spool_dir {self.spool_dir!r} is not a directory "
+                f"(set {_ENV_PREFIX}MSC_SPOOL_DIR to an existing one, or unset it)"
+            )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(_ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"environment variable {_ENV_PREFIX + name}={raw!r} is not an integer"
+        ) from exc
+
+
+def default_retry_policy() -> RetryPolicy:
+    """The process-wide retry policy: defaults overridden by ``RESILIENT_CKPT_RETRY_*``."""
+    base = RetryPolicy()
+    return RetryPolicy(
+        attempts=_env_int("RETRY_ATTEMPTS", base.attempts),
+        base_delay=_env_float("RETRY_BASE_DELAY", base.base_delay),
+        multiplier=_env_float("RETRY_MULTIPLIER", base.multiplier),
+        max_delay=_env_float("RETRY_MAX_DELAY", base.max_delay),
+        jitter=_env_float("RETRY_JITTER", base.jitter),
+        deadline=_env_float("RETRY_DEADLINE", base.deadline),
+    )
+
+
+def default_object_store_options() -> ObjectStoreOptions:
+    """Upload buffering from ``RESILIENT_CKPT_MSC_SPOOL_BYTES`` / ``..._MSC_SPOOL_DIR``."""
+    base = ObjectStoreOptions()
+    return ObjectStoreOptions(
+        spool_bytes=_env_int("MSC_SPOOL_BYTES", base.spool_bytes),
+        spool_dir=os.environ.get(_ENV_PREFIX + "MSC_SPOOL_DIR") or None,
     )
 
 

@@ -87,6 +87,43 @@ class StorageError(CheckpointingException, OSError):
     """Reading or writing checkpoint storage failed."""
 
 
+class ObjectStoreError(StorageError):
+    """An object-store operation failed for good: a permanent error, or transient errors
+    until the retry policy gave up. Names the operation, the object and the last error."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        key: str,
+        attempts: int,
+        last_error: BaseException | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.key = key
+        self.attempts = attempts
+        self.last_error = last_error
+
+    def __reduce__(self) -> tuple:
+        # Travels from the background worker to the trainer; the cause's text is in the
+        # message, the object itself may not pickle.
+        return _rebuild_object_store_error, (
+            type(self),
+            str(self),
+            self.operation,
+            self.key,
+            self.attempts,
+        )
+
+
+def _rebuild_object_store_error(
+    cls: type[ObjectStoreError], message: str, operation: str, key: str, attempts: int
+) -> ObjectStoreError:
+    return cls(message, operation=operation, key=key, attempts=attempts)
+
+
 class CorruptCheckpointError(CheckpointingException):
     """A checkpoint file failed its size or checksum verification."""
 

@@ -48,8 +48,9 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._logging import get_logger
+from ..config import RetryPolicy
 from ..errors import CheckpointWriteError
-from ..storage import get_backend
+from ..storage import StorageBackend, get_backend
 
 logger = get_logger(__name__)
 
@@ -72,10 +73,14 @@ class WriteJob:
     sync_files: bool
     thread_count: int
     transforms: Any = None
+    retry: RetryPolicy | None = None
 
     @property
     def results_name(self) -> str:
         return f"__{self.rank}{RESULTS_SUFFIX}"
+
+    def backend(self) -> StorageBackend:
+        return get_backend(self.checkpoint_dir, use_msc=self.use_msc, retry=self.retry)
 
 
 @dataclass(frozen=True)
@@ -263,7 +268,7 @@ write_item = _write_item_call()
 def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
     """Write one data file atomically (fsynced when ``job.sync_files``); checksum it."""
     path, name, (bytes_data, tensor_data) = bucket
-    backend = get_backend(job.checkpoint_dir, use_msc=job.use_msc)
+    backend = job.backend()
     results: list[WriteResult] = []
     with backend.open_write(path, sync=job.sync_files) as raw:
         stream = ChecksumStream(raw, early_writeback=job.sync_files)
@@ -367,7 +372,7 @@ def run_write_job(
 
 
 def _store_report(job: WriteJob, report: RankWriteReport) -> None:
-    backend = get_backend(job.checkpoint_dir, use_msc=job.use_msc)
+    backend = job.backend()
     path = backend.join(job.checkpoint_dir, job.results_name)
     with backend.open_write(path, sync=job.sync_files) as f:
         pickle.dump(report, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -375,7 +380,7 @@ def _store_report(job: WriteJob, report: RankWriteReport) -> None:
 
 def discard_report(job: WriteJob) -> None:
     """Remove a results file that was read successfully (failed ones stay for post-mortem)."""
-    backend = get_backend(job.checkpoint_dir, use_msc=job.use_msc)
+    backend = job.backend()
     try:
         backend.delete(backend.join(job.checkpoint_dir, job.results_name))
     except OSError as exc:
@@ -384,7 +389,7 @@ def discard_report(job: WriteJob) -> None:
 
 def load_report(job: WriteJob) -> RankWriteReport:
     """Read this rank's results file (trainer side); named errors when absent or foreign."""
-    backend = get_backend(job.checkpoint_dir, use_msc=job.use_msc)
+    backend = job.backend()
     path = backend.join(job.checkpoint_dir, job.results_name)
     try:
         with backend.open_read(path) as f:

@@ -11,6 +11,12 @@ inode, so the next read misses. One ``stat`` per read is the price.
 The cache is process-wide, bounded (least recently used entries are dropped) and
 thread-safe. Each reader gets its own shallow copy whose ``storage_meta.load_id`` is its own,
 as the uncached reader would set it.
+
+Object stores. An ``msc://<profile>/<path>`` checkpoint is read through the storage backend
+(:class:`~resilient_ckpt.storage.dcp_fs.BackendFileSystem`, with the backend's retries and
+parallel read-ahead of the data files); the metadata's identity is the object's size, ETag
+and modification time, taken before it is downloaded: a rewrite in between makes this read
+return the newer content and the next one miss, never a stale hit.
 """
 
 from __future__ import annotations
@@ -24,35 +30,76 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from ..storage.base import get_backend, is_msc_url
 
 __all__ = ["CachedMetadataFileSystemReader", "clear_metadata_cache"]
 
 _METADATA_NAME = ".metadata"
 _MAX_ENTRIES = 64
 
-_Key = tuple[str, Any, int, int, int, int]
+_Key = tuple[Any, ...]
+
+
+def _cache_dir(path: str | os.PathLike) -> str:
+    if is_msc_url(path):
+        return str(path).rstrip("/")
+    return os.path.abspath(os.fspath(path))
 
 
 class CachedMetadataFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` is cached process-wide (see module doc).
 
     Args:
-        path: checkpoint directory.
+        path: checkpoint directory, or ``msc://<profile>/<path>``.
         cache_metadata: False reads the file every time (the plain reader's behaviour).
+        thread_count: for object stores, how many data files are downloaded in parallel
+            ahead of their use (POSIX reads are torch's, unchanged).
     """
 
     _metadata_cache: OrderedDict[_Key, Metadata] = OrderedDict()
     _lock = threading.Lock()
 
-    def __init__(self, path: str | os.PathLike, cache_metadata: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike, cache_metadata: bool = True, *, thread_count: int = 4
+    ) -> None:
         super().__init__(path=path)
-        self._cache_dir = os.path.abspath(os.fspath(path)) if cache_metadata else None
+        self._cache_dir = _cache_dir(path) if cache_metadata else None
+        self.thread_count = thread_count
+        self._object_store: Any = None
+        if is_msc_url(path):
+            from ..storage.dcp_fs import BackendFileSystem
+
+            self._object_store = get_backend(str(path))
+            self._backend_fs = BackendFileSystem(self._object_store)
+            self.fs = self._backend_fs  # type: ignore[assignment]  # torch's FileSystemBase
+            self.path = str(path)  # type: ignore[assignment]
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id and self._cache_dir is not None:
+            self._cache_dir = _cache_dir(checkpoint_id)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._object_store is None:
+            return super().read_data(plan, planner)
+        names = dict.fromkeys(self.storage_data[i.storage_index].relative_path for i in plan.items)
+        paths = [self._backend_fs.concat_path(self.path, name) for name in names]
+        self._backend_fs.read_ahead(paths, self.thread_count)
+        try:
+            return super().read_data(plan, planner)
+        finally:
+            self._backend_fs.stop_read_ahead()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._cache_dir is None:
             return super().read_metadata(*args, **kwargs)
         rank = kwargs.get("rank")
         name = _METADATA_NAME if rank is None else f"__{rank}{_METADATA_NAME}"
+        if self._object_store is not None:
+            return self._read_object_metadata(self._cache_dir, rank, name)
         with open(os.path.join(self._cache_dir, name), "rb") as f:
             st = os.fstat(f.fileno())
             key: _Key = (self._cache_dir, rank, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -60,6 +107,16 @@ class CachedMetadataFileSystemReader(FileSystemReader):
             if metadata is None:
                 metadata = pickle.load(f)
                 self._store(key, metadata)
+        return self._for_this_reader(metadata)
+
+    def _read_object_metadata(self, directory: str, rank: Any, name: str) -> Metadata:
+        path = self._object_store.join(directory, name)
+        key: _Key = (directory, rank, *self._object_store.version(path))
+        metadata = self._lookup(key)
+        if metadata is None:
+            with self._object_store.open_read(path) as f:
+                metadata = pickle.load(f)
+            self._store(key, metadata)
         return self._for_this_reader(metadata)
 
     @classmethod
@@ -93,7 +150,7 @@ class CachedMetadataFileSystemReader(FileSystemReader):
             if path is None:
                 cls._metadata_cache.clear()
                 return
-            directory = os.path.abspath(os.fspath(path))
+            directory = _cache_dir(path)
             for key in [k for k in cls._metadata_cache if k[0] == directory]:
                 del cls._metadata_cache[key]
 

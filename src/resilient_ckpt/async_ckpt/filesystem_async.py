@@ -51,8 +51,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._logging import get_logger
+from ..config import RetryPolicy
 from ..errors import CheckpointExistsError, CheckpointWriteError, ConfigurationError, StorageError
 from ..storage import PosixBackend, get_backend
+from ..storage.base import is_msc_url
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
@@ -113,7 +115,10 @@ class FileSystemWriterAsync(FileSystemWriter):
     Args:
         path: checkpoint directory (or ``msc://profile/path``).
         separation_hint: keys starting with it are written to separate files.
-        use_msc: use the multi-storage-client backend (requires an ``msc://`` path).
+        use_msc: use the multi-storage-client backend (requires an ``msc://`` path; any
+            ``msc://`` path uses it anyway).
+        retry_policy: retries of object-store operations (default: from the environment,
+            see :mod:`resilient_ckpt.config`).
         *args, **kwargs: ``FileSystemWriter``'s (``single_file_per_rank``, ``sync_files``,
             ``thread_count``, ``per_thread_copy_ahead``, ``overwrite``, ...).
     """
@@ -126,13 +131,15 @@ class FileSystemWriterAsync(FileSystemWriter):
         *args: Any,
         separation_hint: str | None = None,
         use_msc: bool = False,
+        retry_policy: RetryPolicy | None = None,
         **kwargs: Any,
     ) -> None:
         checkpoint_dir = _checkpoint_dir(path)
-        self._backend = get_backend(checkpoint_dir, use_msc=use_msc)
+        self.retry_policy = retry_policy
+        self._backend = get_backend(checkpoint_dir, use_msc=use_msc, retry=retry_policy)
         super().__init__(checkpoint_dir, *args, **kwargs)
         self.checkpoint_dir = checkpoint_dir
-        self.use_msc = use_msc
+        self.use_msc = use_msc or is_msc_url(checkpoint_dir)
         self.separation_hint = separation_hint
         self._validate_options(checkpoint_dir)
         self.is_coordinator = False
@@ -233,6 +240,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             sync_files=self.sync_files,
             thread_count=self.thread_count,
             transforms=getattr(self, "transforms", None),
+            retry=self.retry_policy,
         )
         self.written_files = {}
         self.results_queue = None
@@ -352,7 +360,9 @@ class FileSystemWriterAsync(FileSystemWriter):
         super().reset(checkpoint_id)
         if checkpoint_id:
             self.checkpoint_dir = _checkpoint_dir(checkpoint_id)
-            self._backend = get_backend(self.checkpoint_dir, use_msc=self.use_msc)
+            self._backend = get_backend(
+                self.checkpoint_dir, use_msc=self.use_msc, retry=self.retry_policy
+            )
         self.write_buckets = None
         self.written_files = {}
         self._job = None

@@ -5,6 +5,10 @@ snapshotted before the call returns (copied into the staging arena by the persis
 queue; by fork-time copy-on-write with the fork queue, CUDA tensors being moved to the host
 first). The worker writes to a temporary file, fsyncs it, renames it over ``f`` and fsyncs
 the directory, so ``f`` is always either the previous complete file or the new one.
+
+An ``msc://<profile>/<key>`` target is written through the object-store backend instead:
+the serialised bytes are uploaded as one object (retried under the retry policy), which
+appears whole when the upload completes, so the same either-or holds without a rename.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from ..config import Timeouts
 from ..errors import ConfigurationError
+from ..storage.base import get_backend, is_msc_url
 from ..utils import iter_tensors, preload_tensors
 from ._files import write_atomically
 from .core import AsyncCallsQueue, AsyncRequest
@@ -31,6 +36,13 @@ def save_atomically(obj: Any, path: str, *args: Any, sync: bool = True, **kwargs
     write_atomically(path, _write, sync=sync)
 
 
+def save_to_storage(obj: Any, path: str, *args: Any, **kwargs: Any) -> None:
+    """``torch.save(obj, ...)`` uploaded as one object to ``path`` (an ``msc://`` URL)."""
+    backend = get_backend(path)
+    with backend.open_write(path) as f:
+        torch.save(obj, f, *args, **kwargs)
+
+
 def _check_target(f: Any) -> str:
     if not isinstance(f, (str, os.PathLike)):
         raise ConfigurationError(
@@ -38,6 +50,9 @@ def _check_target(f: Any) -> str:
             f"second argument, got {type(f).__name__}: file objects cannot be handed to the "
             "background writer"
         )
+    if is_msc_url(f):
+        get_backend(str(f))  # resolves the profile now: a bad one fails here, not in the worker
+        return str(f)
     path = os.fspath(f)
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
@@ -80,7 +95,10 @@ class TorchAsyncCheckpoint:
         else:
             raise ConfigurationError("TorchAsyncCheckpoint.async_save needs a target path `f`")
         path = _check_target(f)
-        save_fn = functools.partial(save_atomically, sync=self.sync_files)
+        if is_msc_url(path):
+            save_fn: Any = save_to_storage
+        else:
+            save_fn = functools.partial(save_atomically, sync=self.sync_files)
         preload_fn = None
         if not self.persistent_queue and any(
             t.device.type != "cpu" for t in iter_tensors(state_dict)

@@ -1,6 +1,17 @@
 """Storage backends: where checkpoint bytes go. See :mod:`.base` for the interface."""
 
-from .base import StorageBackend, get_backend, is_url
+from .base import Listing, StorageBackend, get_backend, is_msc_url, is_url
 from .posix import PosixBackend
+from .retention import CheckpointRef, list_checkpoints, prune_checkpoints
 
-__all__ = ["PosixBackend", "StorageBackend", "get_backend", "is_url"]
+__all__ = [
+    "CheckpointRef",
+    "Listing",
+    "PosixBackend",
+    "StorageBackend",
+    "get_backend",
+    "is_msc_url",
+    "is_url",
+    "list_checkpoints",
+    "prune_checkpoints",
+]

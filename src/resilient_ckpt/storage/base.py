@@ -12,6 +12,11 @@ only on checkpoints older than one that is committed.
 Paths are strings. A POSIX path is a plain path; an object-store path is a URL whose scheme
 selects the backend (``msc://profile/key``), parsed by :func:`get_backend`. Backends are
 imported lazily, so an optional client library is needed only when its scheme is used.
+
+Directories. Object stores have none, only key prefixes: there ``makedirs`` does nothing,
+a "directory" exists while some object lies below it, and ``scan`` reports the next level
+of names below a prefix with the sizes the listing already carries, so a tool that walks a
+tree of checkpoints makes one request per level instead of one per object.
 """
 
 from __future__ import annotations
@@ -19,13 +24,25 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import BinaryIO
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import ConfigurationError
 
+if TYPE_CHECKING:
+    from ..config import RetryPolicy
+
+
+@dataclass
+class Listing:
+    """One level below a directory: sub-directory names, and file names with their sizes."""
+
+    dirs: list[str] = field(default_factory=list)
+    files: dict[str, int] = field(default_factory=dict)
+
 
 class StorageBackend(ABC):
-    """Seven operations; implementations must make ``open_write`` all-or-nothing."""
+    """Nine operations; implementations must make ``open_write`` all-or-nothing."""
 
     scheme: str = ""
 
@@ -45,11 +62,20 @@ class StorageBackend(ABC):
         """A binary stream over the whole artifact at ``path``."""
 
     @abstractmethod
+    def scan(self, path: str) -> Listing:
+        """The entries directly under directory ``path`` (empty if absent or a file)."""
+
     def list(self, path: str) -> list[str]:
         """Names (not paths) of the entries directly under directory ``path``; [] if absent."""
+        listing = self.scan(path)
+        return sorted([*listing.dirs, *listing.files])
 
     @abstractmethod
-    def exists(self, path: str) -> bool: ...
+    def exists(self, path: str) -> bool:
+        """An artifact or a (non-empty, on object stores) directory is at ``path``."""
+
+    @abstractmethod
+    def is_dir(self, path: str) -> bool: ...
 
     @abstractmethod
     def size(self, path: str) -> int: ...
@@ -65,31 +91,43 @@ class StorageBackend(ABC):
         return head
 
     def walk_files(self, path: str) -> Iterator[str]:
-        """Every artifact path below ``path`` (depth-first), built from ``list``."""
-        for name in self.list(path):
-            child = self.join(path, name)
-            entries = self.list(child)
-            if entries:
-                yield from self.walk_files(child)
-            elif self.exists(child):
-                yield child
+        """Every artifact path below ``path`` (files of a level first, then sub-directories)."""
+        listing = self.scan(path)
+        for name in sorted(listing.files):
+            yield self.join(path, name)
+        for name in sorted(listing.dirs):
+            yield from self.walk_files(self.join(path, name))
 
 
 def is_url(path: str) -> bool:
     return "://" in str(path)
 
 
-def get_backend(path: str, *, use_msc: bool = False) -> StorageBackend:
-    """The backend for ``path``: ``msc://...`` (or ``use_msc``) -> MSC, else POSIX."""
+def is_msc_url(path: object) -> bool:
+    return isinstance(path, str) and path.startswith("msc://")
+
+
+def get_backend(
+    path: str, *, use_msc: bool = False, retry: RetryPolicy | None = None
+) -> StorageBackend:
+    """The backend for ``path``: ``msc://...`` (or ``use_msc``) -> MSC, else POSIX.
+
+    For an ``msc://`` path the profile is resolved here, so a missing package, config file
+    or profile raises :class:`~resilient_ckpt.errors.ConfigurationError` saying what to set.
+    ``retry`` overrides the process-wide retry policy of object-store operations.
+    """
     path = str(path)
     if path.startswith("msc://") or use_msc:
         if not path.startswith("msc://"):
             raise ConfigurationError(
-                f"use_msc=True needs an msc://<profile>/<path> URL, got {path!r}"
+                f"use_msc=True needs an msc://<profile>/<path> URL, got {path!r}: write the "
+                "path as msc://<profile>/<key> with a profile from your MSC config (MSC_CONFIG)"
             )
-        from .msc import MscBackend  # type: ignore[import-not-found]  # optional, lazy
+        from .msc import MscBackend  # optional client library: imported on first use
 
-        return MscBackend()  # type: ignore[no-any-return]
+        backend = MscBackend(retry=retry)
+        backend.check(path)
+        return backend
     if is_url(path):
         raise ConfigurationError(
             f"unsupported storage URL {path!r}: use a local path or msc://<profile>/<path>"

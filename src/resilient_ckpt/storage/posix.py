@@ -10,7 +10,7 @@ from typing import BinaryIO
 
 from ..async_ckpt._files import atomic_file
 from ..errors import StorageError
-from .base import StorageBackend
+from .base import Listing, StorageBackend
 
 
 class PosixBackend(StorageBackend):
@@ -38,8 +38,28 @@ class PosixBackend(StorageBackend):
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def scan(self, path: str) -> Listing:
+        listing = Listing()
+        try:
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    try:
+                        if entry.is_dir():
+                            listing.dirs.append(entry.name)
+                        elif entry.is_file():
+                            listing.files[entry.name] = entry.stat().st_size
+                    except FileNotFoundError:  # removed while we looked
+                        continue
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        listing.dirs.sort()
+        return listing
+
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
 
     def size(self, path: str) -> int:
         return os.path.getsize(path)
