@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,12 +78,16 @@ def verify_copy(copy: LocalCopy) -> None:
             copy.problem = str(exc)
 
 
-def summarize(session_dir: str, verify: bool) -> list[dict[str, Any]]:
+def summarize(
+    session_dir: str, verify: bool, progress: Callable[[int], None] | None = None
+) -> list[dict[str, Any]]:
     """One record per iteration: world size, bytes, complete, verified, problems."""
     by_iteration: dict[int, list[LocalCopy]] = defaultdict(list)
     for copy in copies(session_dir):
         if verify:
             verify_copy(copy)
+            if progress is not None:
+                progress(os.path.getsize(copy.path))
         by_iteration[copy.iteration].append(copy)
     records = []
     for iteration, group in sorted(by_iteration.items()):
@@ -128,7 +133,11 @@ def load_shard(path: str) -> Any:
     return preload_tensors(getattr(state, "state_dict", state), non_blocking=False)
 
 
-def load_iteration(session_dir: str, iteration: int | None = None) -> dict[str, Any]:
+def load_iteration(
+    session_dir: str,
+    iteration: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """{"rank<r>": state_dict} of one complete iteration (default: the newest), any copy."""
     complete = [r["iteration"] for r in summarize(session_dir, verify=False) if r["complete"]]
     if not complete:
@@ -143,4 +152,6 @@ def load_iteration(session_dir: str, iteration: int | None = None) -> dict[str, 
             out[key] = load_shard(copy.path)
         except CheckpointingException:
             continue
+        if progress is not None:
+            progress(os.path.getsize(copy.path))
     return dict(sorted(out.items(), key=lambda kv: int(kv[0][4:])))
