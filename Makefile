@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck pytest demo bench clean
+.PHONY: venv test lint typecheck pytest demo bench docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples docs
+	$(BIN)/ruff format --check src tests benchmarks examples docs
 
 typecheck: $(STAMP)
 	$(BIN)/mypy src
@@ -28,6 +28,10 @@ test: lint typecheck pytest
 
 demo: $(STAMP)
 	$(BIN)/python -m resilient_ckpt.demo
+
+# docs/api/*.md from the docstrings (committed); `python docs/gen_api.py --check` tells if stale.
+docs: $(STAMP)
+	$(BIN)/python docs/gen_api.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/async_save.py --sizes 64M,512M

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -81,3 +83,54 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[objec
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+class Figures:
+    """The figures of one run, for ``--json PATH`` (read by ``resilient-ckpt bench --plot``).
+
+    Each figure is a measured value with the reference it is compared to in the printed
+    table (same run, same bytes): ``metric`` is ``"stall"`` (seconds, lower is better) or
+    ``"throughput"`` (GB/s, higher is better); ``case`` says which size or world size.
+    """
+
+    def __init__(self, benchmark: str) -> None:
+        self.benchmark = benchmark
+        self.items: list[dict[str, Any]] = []
+
+    def add(
+        self,
+        metric: str,
+        case: str,
+        label: str,
+        value: float,
+        reference: str | None = None,
+        reference_value: float | None = None,
+        target: str = "",
+    ) -> None:
+        if metric not in ("stall", "throughput"):
+            raise ValueError(f"metric must be 'stall' or 'throughput', got {metric!r}")
+        self.items.append(
+            {
+                "metric": metric,
+                "unit": "s" if metric == "stall" else "GB/s",
+                "case": case,
+                "label": label,
+                "value": value,
+                "reference": reference,
+                "reference_value": reference_value,
+                "target": target,
+            }
+        )
+
+    def write(self, path: str | None, **context: Any) -> None:
+        if not path:
+            return
+        document = {
+            "benchmark": self.benchmark,
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            **context,
+            "figures": self.items,
+        }
+        with open(path, "w") as f:
+            json.dump(document, f, indent=2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 from datetime import timedelta
@@ -25,7 +26,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import human, make_state, median_time, parse_size, print_table
+from _common import (
+    Figures,
+    dd_write_seconds,
+    human,
+    make_state,
+    median_time,
+    parse_size,
+    print_table,
+)
 from resilient_ckpt import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint
 from resilient_ckpt.async_ckpt.torch_ckpt import save_atomically
 
@@ -127,6 +136,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where checkpoints are written")
     parser.add_argument("--skip-dcp", action="store_true")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     directory = args.dir or tempfile.mkdtemp(prefix="rc_bench_")
     os.makedirs(directory, exist_ok=True)
@@ -136,24 +146,41 @@ def main() -> None:
     )
     AsyncCallsQueue.warmup_persistent_caller(0)
     rows = []
+    figures = Figures("async_save")
     for size_text in args.sizes.split(","):
         nbytes = parse_size(size_text)
+        case = human(nbytes)
         state = make_state(nbytes)
         floor = _floor(state, args.repeats)
         torch_stall, torch_total = _ours_torch(state, directory, args.repeats)
         queue_stall = _ours_queue(state, directory, args.repeats)
         fork_stall = _ours_queue(state, directory, args.repeats, persistent=False)
         sync = _torch_save(state, directory, args.repeats)
+        dd = statistics.median(dd_write_seconds(directory, nbytes) for _ in range(args.repeats))
         measured = [
             ("memcpy floor (shm copy_)", floor, None),
             ("ours TorchAsyncCheckpoint.async_save", torch_stall, torch_total),
             ("ours AsyncCallsQueue request", queue_stall, None),
             ("ours AsyncCallsQueue(persistent=False), fork COW", fork_stall, None),
             ("torch.save (sync)", sync, sync),
+            ("dd conv=fsync (raw write)", dd, dd),
         ]
         if not args.skip_dcp:
             dcp_stall, dcp_total = _dcp_async(state, directory, args.repeats)
             measured.append(("dcp.async_save (process)", dcp_stall, dcp_total))
+        for name, stall, _ in measured[1:4]:
+            figures.add("stall", case, name, stall, "memcpy floor", floor, "<= 1.1x floor")
+        figures.add("stall", case, "torch.save (sync)", sync, "memcpy floor", floor)
+        if not args.skip_dcp:
+            figures.add("stall", case, "dcp.async_save (process)", dcp_stall, "memcpy floor", floor)
+        figures.add(
+            "throughput",
+            case,
+            "ours async_save, save->durable",
+            nbytes / torch_total / 1e9,
+            "dd conv=fsync",
+            nbytes / dd / 1e9,
+        )
         for name, stall, total in measured:
             rows.append(
                 [
@@ -181,6 +208,7 @@ def main() -> None:
         ["size", "method", "stall s", "vs floor", "save->durable s"],
         rows,
     )
+    figures.write(args.json, sizes=args.sizes, repeats=args.repeats)
     dist.destroy_process_group()
     shutil.rmtree(directory, ignore_errors=True)
 

@@ -43,6 +43,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import Figures
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
@@ -260,7 +263,7 @@ def _row(metric: str, ours: float, ref_name: str, ref: float, unit: str, target:
     return _COLUMNS.format(metric, f"{ours:.3f}", unit, ref_name, f"{ref:.3f}", ratio, target)
 
 
-def report_saves(world: int, cfg: Config, per_rank: list[dict]) -> None:
+def report_saves(world: int, cfg: Config, per_rank: list[dict], figures: Figures) -> None:
     med = statistics.median
     total_bytes = world * per_rank_bytes(cfg)
     write_mbps = total_bytes / med(_slowest(per_rank, "ours", "write")) / 1e6
@@ -283,6 +286,18 @@ def report_saves(world: int, cfg: Config, per_rank: list[dict]) -> None:
     print(_row("total save", ours_total, "dcp.async_save total", async_total, "s", ""))
     print(_row("total save", ours_total, "dcp.save", save_total, "s", ""))
     print(_row("stall", ours_stall, "dcp.save (blocking)", save_total, "s", ""))
+    case = f"{world} ranks x {per_rank_bytes(cfg) / MiB:.0f} MiB"
+    figures.add(
+        "throughput",
+        case,
+        "ours async DCP write",
+        write_mbps / 1e3,
+        "dd conv=fsync",
+        dd_mbps / 1e3,
+        ">= 0.9x",
+    )
+    figures.add("stall", case, "ours plan+schedule", ours_stall, "dcp.async_save", async_stall)
+    figures.add("stall", case, "dcp.save (blocking)", save_total, "dcp.async_save", async_stall)
 
 
 def report_raw(per_rank: list[dict]) -> None:
@@ -298,12 +313,21 @@ def per_rank_bytes(cfg: Config) -> int:
     return cfg.tensors * rows * cols * 4
 
 
-def report_plans(world: int, per_rank: list[dict], cfg: Config) -> None:
+def report_plans(world: int, per_rank: list[dict], cfg: Config, figures: Figures) -> None:
     uncached = statistics.median(_slowest_plain(per_rank, "uncached"))
     cached = statistics.median(_slowest_plain(per_rank, "cached"))
     print(f"\nplanning only, ranks={world}, {cfg.plan_tensors} DTensors + objects, medians")
     print(_header("cached"))
     print(_row("plan time per save", cached, "uncached plan", uncached, "s", "<= 0.2"))
+    figures.add(
+        "stall",
+        f"{world} ranks, {cfg.plan_tensors} tensors",
+        "plan, cached",
+        cached,
+        "plan, uncached",
+        uncached,
+        "<= 0.2x",
+    )
 
 
 def _slowest_plain(per_rank: list[dict], key: str) -> list[float]:
@@ -323,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     parser.add_argument("--raw", action="store_true", help="also print every repetition")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.ranks.split(",") if w.strip()]
     root = tempfile.mkdtemp(prefix="dcp_bench_", dir=args.dir)
@@ -337,14 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, directory {root}")
     print(f"zlib.crc32 on one core: {crc32_gbps():.2f} GB/s (the writer checksums every byte)")
+    figures = Figures("dcp_save")
     try:
         for world in worlds:
             per_rank = launch(_rank_saves, world, cfg, timeout=3600)
-            report_saves(world, cfg, per_rank)
+            report_saves(world, cfg, per_rank, figures)
             if args.raw:
                 report_raw(per_rank)
         world = max(worlds)
-        report_plans(world, launch(_rank_plans, world, cfg, timeout=1800), cfg)
+        report_plans(world, launch(_rank_plans, world, cfg, timeout=1800), cfg, figures)
+        figures.write(args.json, ranks=args.ranks, size=args.size, reps=args.reps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -28,6 +28,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,6 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import Figures
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue
 from resilient_ckpt.local import (
     BasicTensorAwareStateDict,
@@ -259,12 +263,40 @@ def report(times: dict[str, float], ranks: int, nbytes: int, repeats: int, cold:
     )
 
 
+def record(times: dict[str, float], ranks: int, nbytes: int, cold: bool) -> Figures:
+    """The figures of the printed tables, in GB/s over all ranks' bytes."""
+    figures, total = Figures("local_ckpt"), ranks * nbytes / 1e9
+    case = f"{ranks} ranks x {nbytes >> 20} MiB"
+    read = "dd read" + ("" if cold else " (warm cache)")
+    for name, ref, target in (
+        ("save", "raw write", ">= 0.9x"),
+        ("save F=2", "raw write", ""),
+        ("load", "raw read", ">= 0.8x"),
+        ("load F=2, 1 lost/clique", "raw read", ""),
+    ):
+        ref_label = "dd conv=fsync" if ref == "raw write" else read
+        figures.add(
+            "throughput",
+            case,
+            f"local {name}",
+            total / times[name],
+            ref_label,
+            total / times[ref],
+            target,
+        )
+    figures.add(
+        "stall", case, "local async save, F=2", times["stall F=2"], "no replication", times["stall"]
+    )
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--size-mib", type=int, default=256, help="state bytes per rank")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--root", default=None, help="directory on the disk to measure")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     if args.ranks % 2:
         parser.error("--ranks must be even (replication factor 2)")
@@ -274,7 +306,12 @@ def main() -> None:
         results = launch(_run, args.ranks, root, nbytes, args.repeats, timeout=1800)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(results[0]["times"], args.ranks, nbytes, args.repeats, results[0]["cold"])
+    times, cold = results[0]["times"], results[0]["cold"]
+    report(times, args.ranks, nbytes, args.repeats, cold)
+    if args.json:
+        record(times, args.ranks, nbytes, cold).write(
+            args.json, ranks=args.ranks, size_mib=args.size_mib, repeats=args.repeats, cold=cold
+        )
 
 
 if __name__ == "__main__":

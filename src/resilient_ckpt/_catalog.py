@@ -14,6 +14,7 @@ sizes it carries), no per-file calls.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ import torch
 from .errors import CheckpointingException, ConfigurationError
 from .storage import StorageBackend, get_backend
 from .storage.base import Listing, is_msc_url
+
+Progress = Callable[[int], None]
 
 DEFAULT_BENCHMARKS = ["async_save", "dcp_save", "local_ckpt"]
 _METADATA = ".metadata"
@@ -48,6 +51,7 @@ class Entry:
     complete: bool = True
     verified: bool | None = None
     problems: list[str] = field(default_factory=list)
+    checks: str = ""  # as in Report, when verified
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,6 +64,9 @@ class Report:
     ok: bool
     problems: list[str] = field(default_factory=list)
     nbytes: int = 0
+    # What was checked: "crc32" (every byte against the recorded checksums), "read" (no
+    # checksums recorded, e.g. a plain dcp.save: sizes, then every item read back) or "load".
+    checks: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,15 +87,17 @@ def _iteration_of(path: str) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-def _dcp_entry(path: str, listing: Listing, verify: bool) -> Entry:
+def _dcp_entry(
+    path: str, listing: Listing, verify: bool, progress: Progress | None = None
+) -> Entry:
     complete = _METADATA in listing.files
     nbytes = sum(listing.files.values())
     entry = Entry("dcp", path, _iteration_of(path), nbytes=nbytes, complete=complete)
     if complete:
         entry.world_size = _dcp_world_size(path)
     if verify:
-        report = verify_dcp(path)
-        entry.verified, entry.problems = report.ok, report.problems
+        report = verify_dcp(path, progress)
+        entry.verified, entry.problems, entry.checks = report.ok, report.problems, report.checks
     return entry
 
 
@@ -114,47 +123,81 @@ def read_dcp_metadata(path: str) -> Any:
         return pickle.load(f)
 
 
-def verify_dcp(path: str) -> Report:
+def verify_dcp(path: str, progress: Progress | None = None) -> Report:
     from .async_ckpt.verify import verify_checkpoint
 
     try:
-        result = verify_checkpoint(path)
+        result = verify_checkpoint(path, progress=progress)
     except CheckpointingException as exc:
         lines = str(exc).splitlines()
         return Report("dcp", path, False, [line.strip() for line in lines[1:]] or lines)
-    return Report("dcp", path, True, [], result.nbytes)
+    if result.checksummed:
+        return Report("dcp", path, True, [], result.nbytes, checks="crc32")
+    # No checksums recorded (a plain dcp.save): sizes were checked; reading every item back
+    # catches what sizes cannot (a truncated or garbled pickle, an unreadable tensor).
+    from . import _convert
+
+    try:
+        _convert.load_dcp(path, progress)
+    except BaseException as exc:  # CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return Report("dcp", path, False, [f"reading the items back failed: {exc}"], checks="read")
+    return Report("dcp", path, True, [], result.nbytes, checks="read")
 
 
-def discover(root: str, verify: bool = False) -> list[Entry]:
+def discover(root: str, verify: bool = False, progress: Progress | None = None) -> list[Entry]:
     backend = get_backend(root)
     if not backend.exists(root):
         raise ConfigurationError(f"{root!r} does not exist")
     if not backend.is_dir(root):
-        return [Entry("torch", root, _iteration_of(root), nbytes=backend.size(root))]
+        return [_torch_entry(root, backend.size(root), verify, progress)]
     entries: list[Entry] = []
-    _walk(backend, root, verify, entries)
+    _walk(backend, root, verify, progress, entries)
     return sorted(entries, key=lambda e: (e.path, e.iteration or 0))
 
 
-def _walk(backend: StorageBackend, path: str, verify: bool, entries: list[Entry]) -> None:
+def _walk(
+    backend: StorageBackend,
+    path: str,
+    verify: bool,
+    progress: Progress | None,
+    entries: list[Entry],
+) -> None:
     listing = backend.scan(path)
     if _is_dcp_listing(listing):
-        entries.append(_dcp_entry(path, listing, verify))
+        entries.append(_dcp_entry(path, listing, verify, progress))
         return
-    local = _local_entries(backend, path, listing, verify)
+    local = _local_entries(backend, path, listing, verify, progress)
     if local is not None:
         entries.extend(local)
         return
     for name in sorted(listing.files):
         if name.endswith((".pt", ".pth")) and not name.startswith("."):
             full = backend.join(path, name)
-            entries.append(Entry("torch", full, _iteration_of(full), nbytes=listing.files[name]))
-    for name in listing.dirs:
-        _walk(backend, backend.join(path, name), verify, entries)
+            entries.append(_torch_entry(full, listing.files[name], verify, progress))
+    for name in sorted(listing.dirs):
+        _walk(backend, backend.join(path, name), verify, progress, entries)
+
+
+def _torch_entry(path: str, nbytes: int, verify: bool, progress: Progress | None) -> Entry:
+    entry = Entry("torch", path, _iteration_of(path), nbytes=nbytes)
+    if verify:
+        entry.checks = "load"
+        try:
+            _load_file(path, progress)
+            entry.verified = True
+        except Exception as exc:  # any load failure is a verification failure
+            entry.verified, entry.problems = False, [f"torch.load failed: {exc}"]
+    return entry
 
 
 def _local_entries(
-    backend: StorageBackend, path: str, listing: Listing, verify: bool
+    backend: StorageBackend,
+    path: str,
+    listing: Listing,
+    verify: bool,
+    progress: Progress | None,
 ) -> list[Entry] | None:
     from . import _catalog_local
 
@@ -170,19 +213,21 @@ def _local_entries(
             r["complete"],
             r["verified"],
             r["problems"],
+            "crc32" if verify else "",
         )
-        for r in _catalog_local.summarize(path, verify, backend=backend)
+        for r in _catalog_local.summarize(path, verify, progress, backend=backend)
     ]
 
 
-def verify_all(path: str, progress: bool = True) -> list[Report]:
+def total_bytes(path: str) -> int:
+    """What ``verify_all`` reads, to size a progress bar (listing only)."""
     backend = get_backend(path)
     if backend.exists(path) and not backend.is_dir(path):
-        try:
-            _load_file(path)
-        except Exception as exc:  # any load failure is a verification failure
-            return [Report("torch", path, False, [f"torch.load failed: {exc}"])]
-        return [Report("torch", path, True, [], backend.size(path))]
+        return backend.size(path)
+    return sum(e.nbytes for e in discover(path))
+
+
+def verify_all(path: str, progress: Progress | None = None) -> list[Report]:
     return [
         Report(
             e.kind,
@@ -190,8 +235,9 @@ def verify_all(path: str, progress: bool = True) -> list[Report]:
             bool(e.verified) and e.complete,
             e.problems if e.complete else ["not committed (incomplete)"],
             e.nbytes,
+            e.checks,
         )
-        for e in discover(path, verify=True)
+        for e in discover(path, verify=True, progress=progress)
     ]
 
 
@@ -248,8 +294,8 @@ def inspect(path: str) -> list[dict[str, Any]]:
     )
 
 
-def _load_file(path: str) -> Any:
-    from . import _catalog_local
+def _load_file(path: str, progress: Progress | None = None) -> Any:
+    from . import _catalog_local, _convert
     from .local._manifest import parse_name
 
     if is_msc_url(path):
@@ -257,12 +303,17 @@ def _load_file(path: str) -> Any:
         with backend.open_read(path) as f:
             return torch.load(f, map_location="cpu", weights_only=False)
     if parse_name(os.path.basename(path)):
-        return _catalog_local.load_shard(path)
-    return torch.load(path, map_location="cpu", weights_only=False)
+        shard = _catalog_local.load_shard(path)
+        if progress is not None:
+            progress(os.path.getsize(path))
+        return shard
+    return _convert.load_file(path, progress)
 
 
-def convert(src: str, dst: str) -> str:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+def convert(src: str, dst: str, progress: Progress | None = None) -> str:
+    """Convert ``src`` into ``dst``; returns what was done. ``progress`` gets byte counts
+    (read, then written: about twice the checkpoint's size in all)."""
+    from . import _convert
 
     if is_msc_url(src) or is_msc_url(dst):
         raise ConfigurationError(
@@ -272,26 +323,37 @@ def convert(src: str, dst: str) -> str:
     if os.path.isdir(src) and _is_dcp_dir(src):
         if not os.path.exists(os.path.join(src, _METADATA)):
             raise ConfigurationError(f"{src!r} is not committed (no .metadata); nothing to convert")
-        dcp_to_torch_save(src, dst)
+        _convert.dcp_to_torch(src, dst, progress)
         return "dcp -> torch.save"
     from . import _catalog_local
     from .local._manifest import parse_name
 
     if os.path.isfile(src) and parse_name(os.path.basename(src)):
-        torch.save(_catalog_local.load_shard(src), dst)
+        _convert.save_file(_load_file(src, progress), dst, progress)
         return "local shard -> torch.save"
     if os.path.isdir(src) and _catalog_local.is_session_dir(src):
-        torch.save(_catalog_local.load_iteration(src), dst)
+        state = _catalog_local.load_iteration(src, progress=progress)
+        _convert.save_file(state, dst, progress)
         return "local checkpoint (newest complete iteration, all ranks) -> torch.save"
     if os.path.isfile(src):
-        if os.path.exists(dst) and not os.path.isdir(dst):
-            raise ConfigurationError(f"destination {dst!r} exists and is not a directory")
-        torch_save_to_dcp(src, dst)
+        if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+            raise ConfigurationError(
+                f"destination {dst!r} exists and is not an empty directory; a DCP checkpoint "
+                "needs a directory of its own"
+            )
+        _convert.torch_to_dcp(src, dst, progress)
         return "torch.save -> dcp"
     raise ConfigurationError(f"{src!r} is neither a DCP checkpoint directory nor a file")
 
 
 def bench_defaults(name: str, quick: bool) -> list[str]:
+    """Arguments of each benchmark script for ``resilient-ckpt bench [--quick]``."""
     if name == "async_save":
         return ["--sizes", "64M" if quick else "64M,512M", "--repeats", "3" if quick else "5"]
-    return ["--quick"] if quick else []
+    if not quick:
+        return []  # the script's own defaults
+    if name == "dcp_save":
+        return ["--ranks", "2", "--size", "32M", "--reps", "2", "--plan-tensors", "128"]
+    if name == "local_ckpt":
+        return ["--ranks", "2", "--size-mib", "32", "--repeats", "2"]
+    return []

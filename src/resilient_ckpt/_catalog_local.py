@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,7 +112,11 @@ def _verify_stream(backend: StorageBackend, path: str, size: int, crc32: int) ->
 
 
 def summarize(
-    session_dir: str, verify: bool, *, backend: StorageBackend | None = None
+    session_dir: str,
+    verify: bool,
+    progress: Callable[[int], None] | None = None,
+    *,
+    backend: StorageBackend | None = None,
 ) -> list[dict[str, Any]]:
     """One record per iteration: world size, bytes, complete, verified, problems."""
     backend = backend or get_backend(session_dir)
@@ -119,6 +124,8 @@ def summarize(
     for copy in copies(session_dir, backend=backend):
         if verify:
             verify_copy(copy, backend=backend)
+            if progress is not None:
+                progress(copy.size)
         by_iteration[copy.iteration].append(copy)
     records = []
     for iteration, group in sorted(by_iteration.items()):
@@ -164,7 +171,11 @@ def load_shard(path: str) -> Any:
     return preload_tensors(getattr(state, "state_dict", state), non_blocking=False)
 
 
-def load_iteration(session_dir: str, iteration: int | None = None) -> dict[str, Any]:
+def load_iteration(
+    session_dir: str,
+    iteration: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """{"rank<r>": state_dict} of one complete iteration (default: the newest), any copy."""
     complete = [r["iteration"] for r in summarize(session_dir, verify=False) if r["complete"]]
     if not complete:
@@ -179,4 +190,6 @@ def load_iteration(session_dir: str, iteration: int | None = None) -> dict[str, 
             out[key] = load_shard(copy.path)
         except CheckpointingException:
             continue
+        if progress is not None:
+            progress(os.path.getsize(copy.path))
     return dict(sorted(out.items(), key=lambda kv: int(kv[0][4:])))

@@ -130,3 +130,91 @@ def test_verify_detects_damage_and_names_the_file(ckpts, capsys, tmp_path) -> No
 
 def test_bench_rejects_unknown_benchmark(capsys) -> None:
     assert main(["bench", "--only", "no_such_bench"]) == 2
+
+
+def _copy(src: str, tmp_path) -> str:
+    import shutil
+
+    dst = str(tmp_path / os.path.basename(src))
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_verify_plain_dcp_checks_sizes_and_reads_items_back(ckpts, capsys, tmp_path) -> None:
+    plain = _copy(ckpts["plain"], tmp_path)
+    code, out = _run(capsys, "verify", plain, "--json")  # --json after the verb too
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["checkpoints"][0]["checks"] == "read"
+    code, text = _run(capsys, "verify", plain)
+    assert code == 0 and "no checksums recorded" in text and "1 checkpoint(s) checked" in text
+    data = sorted(n for n in os.listdir(plain) if n.endswith(".distcp"))[0]
+    with open(os.path.join(plain, data), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(plain, data)) // 2)
+    code, out = _run(capsys, "--json", "verify", plain)
+    problems = " ".join(json.loads(out)["checkpoints"][0]["problems"])
+    assert code == 1 and data in problems and "bytes" in problems
+
+
+def test_verify_tree_reports_each_checkpoint(ckpts, capsys, tmp_path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    ours = _copy(ckpts["plain"], tree)
+    torn = _copy(ckpts["torn"], tree)
+    code, out = _run(capsys, "--json", "verify", str(tree))
+    by_path = {c["path"]: c for c in json.loads(out)["checkpoints"]}
+    assert code == 1 and by_path[ours]["ok"] and not by_path[torn]["ok"]
+    assert by_path[torn]["problems"] == ["not committed (incomplete)"]
+    bad_file = str(tree / "broken.pt")
+    with open(bad_file, "wb") as f:
+        f.write(b"not a checkpoint")
+    code, text = _run(capsys, "verify", bad_file)
+    assert code == 1 and "FAILED" in text and "torch.load failed" in text
+
+
+def test_progress_counts_every_byte_verified(ckpts, tmp_path) -> None:
+    from resilient_ckpt import _catalog
+
+    fresh = str(tmp_path / "fresh")
+    dcp.save(_state(5), storage_writer=FileSystemWriterAsync(fresh))
+    seen: list[int] = []
+    reports = _catalog.verify_all(fresh, progress=seen.append)
+    data = sum(os.path.getsize(os.path.join(fresh, n)) for n in os.listdir(fresh) if ".distcp" in n)
+    assert reports[0].ok and reports[0].checks == "crc32" and sum(seen) == data
+    seen.clear()
+    assert all(r.ok for r in _catalog.verify_all(ckpts["file"], progress=seen.append))
+    assert sum(seen) == os.path.getsize(ckpts["file"])
+
+
+def test_convert_plain_dcp_and_into_verifiable_dcp(ckpts, capsys, tmp_path) -> None:
+    out_file = str(tmp_path / "plain.pt")
+    code, out = _run(capsys, "--json", "convert", ckpts["plain"], out_file, "--no-progress")
+    result = json.loads(out)
+    assert code == 0 and result["conversion"] == "dcp -> torch.save"
+    assert result["bytes"] == os.path.getsize(out_file)
+    state = torch.load(out_file)
+    assert torch.equal(state["w"], _state(1)["w"]) and state["b"].dtype == torch.float64
+    back = str(tmp_path / "as_dcp")
+    assert _run(capsys, "convert", ckpts["file"], back)[0] == 0
+    code, out = _run(capsys, "--json", "verify", back)
+    checked = json.loads(out)["checkpoints"][0]
+    assert code == 0 and checked["checks"] == "crc32"  # our writer records checksums
+    code = main(["convert", ckpts["file"], back])  # a DCP checkpoint needs its own directory
+    assert code == 1 and "not an empty directory" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(150)
+def test_bench_json_and_plot(capsys, tmp_path) -> None:
+    png = str(tmp_path / "bench.png")
+    argv = ["--json", "bench", "--only", "async_save", "--plot", png]
+    code = main([*argv, "--", "--sizes", "1M", "--repeats", "1", "--skip-dcp"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    (document,) = json.loads(captured.out)
+    metrics = {f["metric"] for f in document["figures"]}
+    assert document["benchmark"] == "async_save" and metrics == {"stall", "throughput"}
+    for figure in document["figures"]:
+        assert figure["value"] > 0 and figure["reference_value"] > 0
+    assert "memcpy floor" in captured.err  # the table, on stderr with --json
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png) > 10_000

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,12 +52,16 @@ def _load_metadata(backend: StorageBackend, path: str) -> Any:
         raise CorruptCheckpointError(f"cannot read {commit!r}: {exc!r}", path=commit) from exc
 
 
-def _crc32(backend: StorageBackend, path: str) -> tuple[int, int]:
+def _crc32(
+    backend: StorageBackend, path: str, progress: Callable[[int], None] | None
+) -> tuple[int, int]:
     crc, size = 0, 0
     with backend.open_read(path) as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return size, crc
 
 
@@ -78,12 +83,17 @@ def _expected_files(metadata: Any) -> tuple[dict[str, tuple[int, int | None]], b
 
 
 def verify_checkpoint(
-    path: str, *, use_msc: bool = False, checksums: bool = True
+    path: str,
+    *,
+    use_msc: bool = False,
+    checksums: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> VerifiedCheckpoint:
     """Check the checkpoint at ``path``; raise :class:`CorruptCheckpointError` listing every
     problem (missing commit record or file, wrong size, checksum mismatch).
 
-    ``checksums=False`` checks presence and sizes only (no data is read).
+    ``checksums=False`` checks presence and sizes only (no data is read). ``progress`` is
+    called with the byte count of every chunk checksummed.
     """
     backend = get_backend(path, use_msc=use_msc)
     metadata = _load_metadata(backend, path)
@@ -94,7 +104,7 @@ def verify_checkpoint(
         file_path = backend.join(path, name)
         try:
             if checksums and crc is not None:
-                actual_size, actual_crc = _crc32(backend, file_path)
+                actual_size, actual_crc = _crc32(backend, file_path, progress)
             else:
                 actual_size, actual_crc = backend.size(file_path), None
         except (FileNotFoundError, StorageError, OSError) as exc:

@@ -117,7 +117,8 @@ class BackgroundSaves:
                 fitting = [b for b in self._free if b.numel() >= nbytes]
                 if fitting:
                     base = min(fitting, key=lambda b: b.numel())
-                    self._free.remove(base)
+                    # By identity: list.remove compares tensors with ==, elementwise.
+                    self._free = [b for b in self._free if b is not base]
                     return base[:nbytes]
                 if self._buffers >= self._max_buffers and self._free:
                     self._free.sort(key=lambda b: b.numel())

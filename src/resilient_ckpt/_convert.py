@@ -1,0 +1,136 @@
+"""Checkpoint format conversions for the command-line tool, reporting bytes as they move.
+
+* DCP -> one ``torch.save`` file: every item is read with torch's empty-state-dict load
+  planner (the one ``dcp_to_torch_save`` uses, so sharded tensors come back whole), and
+  bytes are counted as each item lands.
+* ``torch.save`` file -> DCP: the file is read through a counting wrapper and written by
+  :class:`~resilient_ckpt.async_ckpt.filesystem_async.FileSystemWriterAsync`, whose
+  ``.metadata`` records every data file's CRC-32, so ``resilient-ckpt verify`` can check
+  every byte of the result later (a plain ``FileSystemWriter`` records none).
+
+``torch.save`` outputs are written to a temporary name and renamed, so an interrupted
+conversion leaves either no file or a complete one. The progress callback receives byte
+counts; the caller decides how to show them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .async_ckpt._files import write_atomically
+
+Progress = Callable[[int], None]
+
+
+def _ignore(nbytes: int) -> None:
+    return None
+
+
+class CountingFile:
+    """A file object that reports the bytes read from or written to it.
+
+    ``torch.load`` seeks and reads some records twice (the zip directory, then each entry's
+    header), so reads are reported up to ``limit`` (the file's size) and no further: a bar
+    sized to the file ends at 100 %, not past it.
+    """
+
+    def __init__(self, f: IO[bytes], progress: Progress, limit: int | None = None) -> None:
+        self._f = f
+        self._progress = progress
+        self._left = limit
+
+    def _report_read(self, n: int) -> None:
+        if self._left is not None:
+            n = min(n, self._left)
+            self._left -= n
+        if n:
+            self._progress(n)
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._f.read(size)
+        self._report_read(len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._f.readinto(buffer)  # type: ignore[attr-defined]
+        self._report_read(n or 0)
+        return n
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        self._progress(n if n is not None else memoryview(data).nbytes)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def load_file(path: str, progress: Progress | None = None) -> Any:
+    """``torch.load`` of a whole file onto the CPU, reporting bytes read."""
+    with open(path, "rb") as f:
+        counted = CountingFile(f, progress or _ignore, limit=os.path.getsize(path))
+        return torch.load(counted, map_location="cpu", weights_only=False)  # type: ignore[arg-type]
+
+
+def save_file(obj: Any, path: str, progress: Progress | None = None) -> None:
+    """``torch.save`` to ``path`` atomically (temporary name, fsync, rename)."""
+    write_atomically(path, lambda f: torch.save(obj, CountingFile(f, progress or _ignore)))
+
+
+class _CountingLoadPlanner(_EmptyStateDictLoadPlanner):
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self._progress = progress
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self._progress(value.getbuffer().nbytes)
+        super().load_bytes(read_item, value)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self._progress(tensor.numel() * tensor.element_size())
+        super().commit_tensor(read_item, tensor)
+
+
+def load_dcp(src: str, progress: Progress | None = None) -> dict[str, Any]:
+    """Every item of a committed DCP checkpoint, whole tensors on the CPU."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=FileSystemReader(src),
+        planner=_CountingLoadPlanner(progress or _ignore),
+        no_dist=True,
+    )
+    return state
+
+
+def dcp_to_torch(src: str, dst: str, progress: Progress | None = None) -> None:
+    """A committed DCP checkpoint directory into one ``torch.save`` file."""
+    save_file(load_dcp(src, progress), dst, progress)
+
+
+def torch_to_dcp(src: str, dst: str, progress: Progress | None = None) -> None:
+    """A ``torch.save`` file (a dict) into a DCP checkpoint directory with checksums."""
+    import torch.distributed.checkpoint as dcp
+
+    from .async_ckpt.filesystem_async import FileSystemWriterAsync
+    from .errors import ConfigurationError
+
+    state = load_file(src, progress)
+    if not isinstance(state, dict):
+        raise ConfigurationError(
+            f"{src!r} holds a {type(state).__name__}; only a dict (a state dict) converts to DCP"
+        )
+    os.makedirs(dst, exist_ok=True)
+    dcp.save(state, storage_writer=FileSystemWriterAsync(dst), no_dist=True)
+    if progress is not None:
+        progress(sum(e.stat().st_size for e in os.scandir(dst) if e.is_file()))

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (each imports its framework only when imported)."""
