@@ -152,6 +152,19 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prune(args: argparse.Namespace) -> int:
+    from .storage.retention import prune_checkpoints
+
+    doomed = prune_checkpoints(args.path, keep_latest=args.keep, dry_run=args.dry_run)
+    _emit(args, {"deleted": [] if args.dry_run else doomed, "would_delete": doomed}, None)
+    if not args.json:
+        verb = "would delete" if args.dry_run else "deleted"
+        for path in doomed:
+            print(f"{verb}  {path}")
+        print(f"{len(doomed)} checkpoint(s) {verb}; the newest {args.keep} committed kept")
+    return 0
+
+
 def _bench_dir() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     candidates = [
@@ -256,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     p.set_defaults(func=_cmd_convert)
+    p = sub.add_parser(
+        "prune", help="delete all but the newest N committed DCP checkpoints below a root"
+    )
+    p.add_argument("path")
+    p.add_argument("--keep", type=int, default=1, help="committed checkpoints to keep (>= 1)")
+    p.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
+    p.set_defaults(func=_cmd_prune)
     p = sub.add_parser(
         "bench",
         help="run the benchmarks with sensible defaults",

@@ -27,8 +27,9 @@ def _state(seed: int) -> dict:
 
 
 def _save_local(rank: int, world: int, root: str) -> None:
-    repl = CliqueReplicationStrategy.from_replication_params(replication_jump=1,
-                                                             replication_factor=2)
+    repl = CliqueReplicationStrategy.from_replication_params(
+        replication_jump=1, replication_factor=2
+    )
     manager = LocalCheckpointManager(root, session_id="s", repl_strategy=repl)
     manager.save(BasicTensorAwareStateDict({"model": _state(rank)}), 7)
 
@@ -48,8 +49,14 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     torch.save(_state(3), torch_file)
     local_root = str(root / "local")
     launch(_save_local, 2, local_root, timeout=120)
-    return {"root": str(root), "ours": ours, "plain": plain, "torn": torn,
-            "file": torch_file, "local": os.path.join(local_root, "s")}
+    return {
+        "root": str(root),
+        "ours": ours,
+        "plain": plain,
+        "torn": torn,
+        "file": torch_file,
+        "local": os.path.join(local_root, "s"),
+    }
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -218,3 +225,29 @@ def test_bench_json_and_plot(capsys, tmp_path) -> None:
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 10_000
+
+
+def test_prune_keeps_newest_committed_and_saves_in_progress(capsys, tmp_path) -> None:
+    root = tmp_path / "run"
+    for it in (10, 20, 30):
+        dcp.save(_state(it), checkpoint_id=str(root / f"iteration-{it:04d}"))
+    failed = root / "iteration-0015"  # an older save that never committed
+    dcp.save(_state(15), checkpoint_id=str(failed))
+    os.unlink(failed / ".metadata")
+    running = root / "iteration-0040"  # newer than every commit: may still be writing
+    dcp.save(_state(40), checkpoint_id=str(running))
+    os.unlink(running / ".metadata")
+
+    code, out = _run(capsys, "--json", "prune", str(root), "--keep", "2", "--dry-run")
+    expected = sorted(str(root / n) for n in ("iteration-0010", "iteration-0015"))
+    assert code == 0 and sorted(json.loads(out)["would_delete"]) == expected
+    assert json.loads(out)["deleted"] == [] and (root / "iteration-0010").exists()
+
+    code, out = _run(capsys, "prune", str(root), "--keep", "2")
+    assert code == 0 and "2 checkpoint(s) deleted" in out
+    assert sorted(os.listdir(root)) == ["iteration-0020", "iteration-0030", "iteration-0040"]
+    code, _ = _run(capsys, "verify", str(root / "iteration-0020"))
+    assert code == 0
+
+    code = main(["prune", str(root), "--keep", "0"])
+    assert code == 1 and "keep_latest must be an int >= 1" in capsys.readouterr().err

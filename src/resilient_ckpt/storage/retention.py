@@ -55,8 +55,11 @@ def list_checkpoints(root: str, *, use_msc: bool = False) -> list[CheckpointRef]
     return sorted(refs, key=lambda r: (r.iteration if r.iteration is not None else -1, r.name))
 
 
-def prune_checkpoints(root: str, keep_latest: int = 1, *, use_msc: bool = False) -> list[str]:
-    """Apply retention below ``root`` (see the module docstring); return what was deleted."""
+def prune_checkpoints(
+    root: str, keep_latest: int = 1, *, use_msc: bool = False, dry_run: bool = False
+) -> list[str]:
+    """Apply retention below ``root`` (see the module docstring); return what was deleted
+    (with ``dry_run``: what would be, deleting nothing)."""
     if not isinstance(keep_latest, int) or isinstance(keep_latest, bool) or keep_latest < 1:
         raise ConfigurationError(f"keep_latest must be an int >= 1, got {keep_latest!r}")
     backend = get_backend(root, use_msc=use_msc)
@@ -67,7 +70,7 @@ def prune_checkpoints(root: str, keep_latest: int = 1, *, use_msc: bool = False)
     keep = set(committed[-keep_latest:])
     newest = committed[-1]
     doomed = [r for i, r in enumerate(refs) if i < newest and i not in keep]
-    for ref in doomed:
+    for ref in [] if dry_run else doomed:
         logger.info("retention keeps the newest %d: deleting %s", keep_latest, ref.path)
         backend.delete(backend.join(ref.path, COMMIT_RECORD))
         backend.delete(ref.path, recursive=True)
