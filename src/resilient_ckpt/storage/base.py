@@ -12,12 +12,18 @@ only on checkpoints older than one that is committed.
 Paths are strings. A POSIX path is a plain path; an object-store path is a URL whose scheme
 selects the backend (``msc://profile/key``), parsed by :func:`get_backend`. Backends are
 imported lazily, so an optional client library is needed only when its scheme is used.
+
+Instrumentation: :func:`set_backend_wrapper` routes every backend :func:`get_backend` hands
+out in this process through a wrapper (the fault-injection kit,
+:mod:`resilient_ckpt.testing.faults`, wraps the chosen backend to fail, delay or corrupt
+operations). A wrapper, not a subclass per backend, so it composes with any backend,
+including ones added later, and the backends stay free of test code.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import BinaryIO
 
@@ -79,8 +85,26 @@ def is_url(path: str) -> bool:
     return "://" in str(path)
 
 
+BackendWrapper = Callable[[StorageBackend, str], StorageBackend]
+_backend_wrapper: BackendWrapper | None = None
+
+
+def set_backend_wrapper(wrapper: BackendWrapper | None) -> BackendWrapper | None:
+    """Make :func:`get_backend` return ``wrapper(backend, path)`` in this process (None:
+    plain backends again); returns the previous wrapper, to restore it."""
+    global _backend_wrapper
+    previous, _backend_wrapper = _backend_wrapper, wrapper
+    return previous
+
+
 def get_backend(path: str, *, use_msc: bool = False) -> StorageBackend:
     """The backend for ``path``: ``msc://...`` (or ``use_msc``) -> MSC, else POSIX."""
+    backend = _select_backend(path, use_msc)
+    wrapper = _backend_wrapper
+    return backend if wrapper is None else wrapper(backend, str(path))
+
+
+def _select_backend(path: str, use_msc: bool) -> StorageBackend:
     path = str(path)
     if path.startswith("msc://") or use_msc:
         if not path.startswith("msc://"):
