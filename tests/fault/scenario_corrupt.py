@@ -119,5 +119,4 @@ def _job(rank: int, world: int, root: str, counts: dict[str, int], seed: int) ->
 
 def run(workdir: str, counts: dict[str, int], seed: int = 0) -> dict[str, list[c.Trial]]:
     total = sum(counts.values())
-    return c.launch_rows(_job, WORLD, workdir, counts, seed, counts=counts,
-                         timeout=90 + 20 * total)
+    return c.launch_rows(_job, WORLD, workdir, counts, seed, counts=counts, timeout=90 + 20 * total)

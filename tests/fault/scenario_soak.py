@@ -85,5 +85,4 @@ def _job(rank: int, world: int, root: str, saves: int) -> list[c.Trial]:
 
 
 def run(workdir: str, saves: int = 100) -> dict[str, list[c.Trial]]:
-    return {"soak": c.launch_trials(_job, WORLD, workdir, saves, trials=1,
-                                    timeout=120 + 2 * saves)}
+    return {"soak": c.launch_trials(_job, WORLD, workdir, saves, trials=1, timeout=120 + 2 * saves)}
