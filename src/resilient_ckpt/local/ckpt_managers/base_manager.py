@@ -174,6 +174,7 @@ class BaseCheckpointManager(ABC):
     def _free_failed_copies(self, iteration: int) -> None:
         """Delete the uncommitted copies of a failed save (from the background thread)."""
 
+    @abstractmethod
     def _discard(self, iterations: Sequence[int]) -> None:
         """Delete this rank's files of ``iterations`` (found incomplete)."""
 
