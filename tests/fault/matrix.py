@@ -33,7 +33,7 @@ DEFAULT = {
     "write_raises": 13,  # one per phase of WRITE_CASES
     "disk_full": 3,
     "disk_full_injected": 2,
-    "byte_flip": 4,  # one per case of FLIP_CASES
+    "byte_flip": 5,  # one per case of FLIP_CASES
     "lose_dirs": 2,
     "slow_rank": 2,
     "soak": 100,  # consecutive saves (one trial)
