@@ -15,6 +15,15 @@ os.environ.setdefault("RESILIENT_CKPT_COLLECTIVE_TIMEOUT", "90")
 os.environ.setdefault("RESILIENT_CKPT_SHUTDOWN_TIMEOUT", "20")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=False,
+        help="fault matrix: run 3x the trials per scenario (tests/fault)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -174,6 +174,10 @@ class AsyncCallsQueue:
             except BaseException:
                 self.async_calls.popleft()
                 caller.forget(idx)
+                if caller is not self.persistent_caller:
+                    # The call failed on some rank (a timeout, a peer's error): its forked
+                    # child can only write files nobody commits, and would outlive us.
+                    caller.close(abort=True)
                 raise
             if not done:
                 break
@@ -216,7 +220,10 @@ class AsyncCallsQueue:
                     self.maybe_finalize_async_calls(blocking=True)
             except BaseException as exc:
                 error = exc
-        dropped.extend(c.idx for c in self.async_calls)
+        for active in self.async_calls:
+            dropped.append(active.idx)
+            if active.async_caller is not self.persistent_caller:
+                active.async_caller.close(abort=True)  # a forked child of a dropped call
         self.async_calls.clear()
         if self.persistent_caller is not None:
             self.persistent_caller.close(abort=abort or error is not None)

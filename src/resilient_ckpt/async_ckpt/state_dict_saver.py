@@ -187,6 +187,26 @@ def _resolve_cache(
     return _checkpoint_metadata_cache
 
 
+def _check_inputs(state_dict: Any, storage_writer: Any, on_every_rank: bool) -> None:
+    """Refuse a bad state dict or writer on every rank if it is bad on any.
+
+    A rank that raised alone would leave its peers in the planning collectives until the
+    collective deadline, reporting a timeout instead of the cause. The agreement runs on
+    the default group, so only when the save does (a sub-group's save checks locally).
+    """
+
+    def check() -> None:
+        check_state_dict(state_dict)
+        check_writer(storage_writer)
+
+    if not on_every_rank:
+        check()
+        return
+    from ..local._agreement import agree  # lazily: resilient_ckpt.local imports this package
+
+    agree("DCP save planning", check)
+
+
 def save_state_dict_async_plan(
     state_dict: STATE_DICT_TYPE,
     storage_writer: Any,
@@ -204,9 +224,8 @@ def save_state_dict_async_plan(
     reused while the state's structure is unchanged on every rank (one small gloo collective
     per save checks it); ``metadata_cache`` defaults to the process-wide cache.
     """
-    check_state_dict(state_dict)
-    check_writer(storage_writer)
     use_dist = dist.is_available() and dist.is_initialized()
+    _check_inputs(state_dict, storage_writer, use_dist and process_group is None)
     dist_wrapper = _DistWrapper(process_group, use_dist, coordinator_rank)
     planner = planner if planner is not None else DefaultSavePlanner()
     cache = _resolve_cache(enable_cache, metadata_cache)

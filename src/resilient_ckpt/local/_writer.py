@@ -56,10 +56,20 @@ def _write_copy(target: CopyTarget, source: Source) -> None:
             f.flush()
             if target.sync:
                 os.fsync(f.fileno())
+        manifest = dataclasses.replace(target.manifest, size=size, crc32=crc)
+        _write_manifest(target.path(MANIFEST), manifest.to_json(), target.sync)
     except OSError as exc:
+        # The copy can never be committed: give its space back now (a full disk is the
+        # usual cause, and the next save needs that space).
+        _remove_quietly(dirty)
         raise StorageError(f"writing local checkpoint {dirty} failed: {exc}") from exc
-    manifest = dataclasses.replace(target.manifest, size=size, crc32=crc)
-    _write_manifest(target.path(MANIFEST), manifest.to_json(), target.sync)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _write_manifest(path: str, body: bytes, sync: bool) -> None:

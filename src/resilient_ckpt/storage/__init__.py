@@ -1,6 +1,13 @@
 """Storage backends: where checkpoint bytes go. See :mod:`.base` for the interface."""
 
-from .base import Listing, StorageBackend, get_backend, is_msc_url, is_url
+from .base import (
+    Listing,
+    StorageBackend,
+    get_backend,
+    is_msc_url,
+    is_url,
+    set_backend_wrapper,
+)
 from .posix import PosixBackend
 from .retention import CheckpointRef, list_checkpoints, prune_checkpoints
 
@@ -14,4 +21,5 @@ __all__ = [
     "is_url",
     "list_checkpoints",
     "prune_checkpoints",
+    "set_backend_wrapper",
 ]

@@ -17,12 +17,18 @@ Directories. Object stores have none, only key prefixes: there ``makedirs`` does
 a "directory" exists while some object lies below it, and ``scan`` reports the next level
 of names below a prefix with the sizes the listing already carries, so a tool that walks a
 tree of checkpoints makes one request per level instead of one per object.
+
+Instrumentation: :func:`set_backend_wrapper` routes every backend :func:`get_backend` hands
+out in this process through a wrapper (the fault-injection kit,
+:mod:`resilient_ckpt.testing.faults`, wraps the chosen backend to fail, delay or corrupt
+operations). A wrapper, not a subclass per backend, so it composes with any backend,
+including ones added later, and the backends stay free of test code.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO
@@ -107,6 +113,18 @@ def is_msc_url(path: object) -> bool:
     return isinstance(path, str) and path.startswith("msc://")
 
 
+BackendWrapper = Callable[[StorageBackend, str], StorageBackend]
+_backend_wrapper: BackendWrapper | None = None
+
+
+def set_backend_wrapper(wrapper: BackendWrapper | None) -> BackendWrapper | None:
+    """Make :func:`get_backend` return ``wrapper(backend, path)`` in this process (None:
+    plain backends again); returns the previous wrapper, to restore it."""
+    global _backend_wrapper
+    previous, _backend_wrapper = _backend_wrapper, wrapper
+    return previous
+
+
 def get_backend(
     path: str, *, use_msc: bool = False, retry: RetryPolicy | None = None
 ) -> StorageBackend:
@@ -116,6 +134,12 @@ def get_backend(
     or profile raises :class:`~resilient_ckpt.errors.ConfigurationError` saying what to set.
     ``retry`` overrides the process-wide retry policy of object-store operations.
     """
+    backend = _select_backend(path, use_msc, retry)
+    wrapper = _backend_wrapper
+    return backend if wrapper is None else wrapper(backend, str(path))
+
+
+def _select_backend(path: str, use_msc: bool, retry: RetryPolicy | None) -> StorageBackend:
     path = str(path)
     if path.startswith("msc://") or use_msc:
         if not path.startswith("msc://"):

@@ -53,6 +53,7 @@ def _rank_main(
     env: dict[str, str],
     conn: Connection,
     pg_timeout: float,
+    process_group: bool,
 ) -> None:
     import torch.distributed as dist
 
@@ -66,13 +67,14 @@ def _rank_main(
         }
     )
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store_path}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout),
-        )
+        if process_group:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{store_path}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=pg_timeout),
+            )
         result = fn(rank, world_size, *args)
         conn.send(("ok", result))
     except BaseException as exc:
@@ -104,8 +106,13 @@ def launch(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     pg_timeout: float | None = None,
+    process_group: bool = True,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results.
+
+    ``process_group=False`` starts the processes without a process group (for a function
+    that forks or launches jobs of its own and must not carry one into them).
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -125,6 +132,7 @@ def launch(
                 dict(env or {}),
                 child,
                 pg_timeout if pg_timeout is not None else timeout,
+                process_group,
             ),
             name=f"rank-{rank}",
         )

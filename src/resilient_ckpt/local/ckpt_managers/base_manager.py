@@ -171,6 +171,10 @@ class BaseCheckpointManager(ABC):
         """Remove everything this rank wrote for ``iteration``, committed or not."""
 
     @abstractmethod
+    def _free_failed_copies(self, iteration: int) -> None:
+        """Delete the uncommitted copies of a failed save (from the background thread)."""
+
+    @abstractmethod
     def _discard(self, iterations: Sequence[int]) -> None:
         """Delete this rank's files of ``iterations`` (found incomplete)."""
 
@@ -489,6 +493,10 @@ class BaseCheckpointManager(ABC):
         except BaseException as exc:
             error = exc
             logger.error("replicated save of %s failed: %s", my_id, exc)
+            # Before the verdict is written: on a full disk the copies written so far hold
+            # the space the status file needs, and a missing verdict is only noticed at the
+            # finalize deadline.
+            self._free_failed_copies(my_id[0])
             raise
         finally:
             self._background.release(buffer)

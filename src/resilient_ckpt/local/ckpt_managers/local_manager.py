@@ -281,5 +281,14 @@ class LocalCheckpointManager(BaseCheckpointManager):
         self._pending.pop(iteration, None)
         self._delete_iterations({iteration}, "failed save")
 
+    def _free_failed_copies(self, iteration: int) -> None:
+        for name in self._files_by_iteration().get(iteration, []):
+            parsed = parse_name(name)
+            if parsed is not None and parsed[2] == DIRTY:
+                try:  # unlinked now, not by the deleter: the space is needed at once
+                    os.unlink(self._path(name))
+                except OSError as exc:
+                    logger.warning("could not remove %s: %s", name, exc)
+
     def _discard(self, iterations: Sequence[int]) -> None:
         self._delete_iterations(set(iterations), "incomplete iteration")
