@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
-from .local._format import deserialize, read_verified
+from .errors import CheckpointingException, ConfigurationError
+from .local._format import check_against_manifest, deserialize, read_verified
 from .local._manifest import DATA, MANIFEST, Manifest, file_name, parse_name
 from .storage import PosixBackend, StorageBackend, get_backend
 from .storage.base import Listing
@@ -100,15 +100,7 @@ def _verify_stream(backend: StorageBackend, path: str, size: int, crc32: int) ->
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
             got += len(chunk)
-    if got != size:
-        raise CorruptCheckpointError(
-            f"{path}: size differs from its manifest (expected {size} bytes)", path=path
-        )
-    if crc != crc32:
-        raise CorruptCheckpointError(
-            f"{path}: checksum mismatch (crc32 {crc:#010x}, manifest says {crc32:#010x})",
-            path=path,
-        )
+    check_against_manifest(path, got, crc, size, crc32)
 
 
 def summarize(

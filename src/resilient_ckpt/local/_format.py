@@ -248,7 +248,13 @@ def read_verified(path: str, size: int, crc32: int) -> torch.Tensor:
             extra = f.read(1)
     finally:
         value = crc.result()
-    if got != size or extra:
+    check_against_manifest(path, got if not extra else got + 1, value, size, crc32)
+    return out
+
+
+def check_against_manifest(path: str, got: int, value: int, size: int, crc32: int) -> None:
+    """Raise ``CorruptCheckpointError`` unless ``got`` bytes with CRC ``value`` match."""
+    if got != size:
         raise CorruptCheckpointError(
             f"{path}: size differs from its manifest (expected {size} bytes)", path=path
         )
@@ -257,7 +263,6 @@ def read_verified(path: str, size: int, crc32: int) -> torch.Tensor:
             f"{path}: checksum mismatch (crc32 {value:#010x}, manifest says {crc32:#010x})",
             path=path,
         )
-    return out
 
 
 def crc_of(buffer: torch.Tensor) -> int:
