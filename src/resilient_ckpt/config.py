@@ -39,9 +39,13 @@ RESILIENT_CKPT_MSC_SPOOL_DIR           where larger buffers spill (default: TMPD
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .errors import ConfigurationError
+
+_N = TypeVar("_N", int, float)
 
 _ENV_PREFIX = "RESILIENT_CKPT_"
 
@@ -93,16 +97,25 @@ class WorkerOptions:
             raise ConfigurationError(f"sigterm_timeout must be > 0 seconds, got {timeout!r}")
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_number(name: str, default: _N, kind: Callable[[str], _N], what: str) -> _N:
+    """``RESILIENT_CKPT_<name>`` parsed by ``kind``; ``default`` when unset or empty."""
     raw = os.environ.get(_ENV_PREFIX + name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        return kind(raw)
     except ValueError as exc:
         raise ConfigurationError(
-            f"environment variable {_ENV_PREFIX + name}={raw!r} is not a number"
+            f"environment variable {_ENV_PREFIX + name}={raw!r} is not {what}"
         ) from exc
+
+
+def _env_float(name: str, default: float) -> float:
+    return _env_number(name, default, float, "a number")
+
+
+def _env_int(name: str, default: int) -> int:
+    return _env_number(name, default, int, "an integer")
 
 
 def default_timeouts() -> Timeouts:
@@ -190,18 +203,6 @@ class ObjectStoreOptions:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(_ENV_PREFIX + name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ConfigurationError(
-            f"environment variable {_ENV_PREFIX + name}={raw!r} is not an integer"
-        ) from exc
 
 
 def default_retry_policy() -> RetryPolicy:
