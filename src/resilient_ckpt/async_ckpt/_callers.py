@@ -120,11 +120,20 @@ class AsyncCaller(ABC):
         )
         return all(r.state != State.RUNNING for r in records)
 
+    def _log_dropped_failure(self, call_idx: int, status: LocalStatus) -> None:
+        """Say so when ``close`` discards the error of a call nobody finalized."""
+        if status.state == State.FAILED and call_idx in self._unfinalized:
+            logger.warning(
+                "closing the caller drops the error of unfinalized async request %d: %s",
+                call_idx,
+                status.error,
+            )
+
     def __del__(self) -> None:
         try:
             self.close(abort=True)
-        except Exception:
-            pass
+        except Exception as exc:  # garbage collection must not raise; say what was lost
+            logger.warning("could not stop the background process of a discarded caller: %s", exc)
 
 
 def agree_on_call(
@@ -290,7 +299,10 @@ class TemporalAsyncCaller(AsyncCaller):
 
     def close(self, abort: bool = False) -> list[int]:
         dropped: list[int] = []
-        if self.process is not None and self.process.exitcode is None:
+        if self.process is not None and self.process.exitcode is not None:
+            if self._call_idx is not None:
+                self._log_dropped_failure(self._call_idx, self.local_status(self._call_idx))
+        elif self.process is not None:
             if abort:
                 dropped = [self._call_idx] if self._call_idx is not None else []
                 self.process.kill()

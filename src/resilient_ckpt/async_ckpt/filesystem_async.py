@@ -55,6 +55,7 @@ from ..config import RetryPolicy
 from ..errors import CheckpointExistsError, CheckpointWriteError, ConfigurationError, StorageError
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
+from ..storage.commit import fsync_dir
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
@@ -65,7 +66,6 @@ from ._dcp_write import (
     run_write_job,
     write_file,
 )
-from ._files import fsync_dir
 
 logger = get_logger(__name__)
 

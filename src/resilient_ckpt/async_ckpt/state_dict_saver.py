@@ -145,11 +145,6 @@ class CheckpointMetadataCache:
         self.validated_cache_reuse = False
         self.misses += 1
 
-    def invalidate(self) -> None:
-        self.structure_signature = None
-        self.cached_central_plan = None
-        self.validated_cache_reuse = False
-
 
 _checkpoint_metadata_cache: CheckpointMetadataCache | None = None
 
