@@ -48,6 +48,8 @@ LAYER_OF = {
     "cli": FACES,
     "integrations": FACES,
     "demo": FACES,
+    # The NVRx import alias (issue 12): a face, it hands out every module by another name.
+    "compat": FACES,
     "testing": TESTING,
 }
 
