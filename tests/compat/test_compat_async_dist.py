@@ -27,6 +27,10 @@ from torch.distributed.checkpoint import (
     FileSystemReader,
     FileSystemWriter,
 )
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -216,6 +220,86 @@ def _staging_switches(rank: int, world: int, root: str, queues: dict) -> None:
         assert all(torch.all(loaded[f"param_{j}"] == 2.0) for j in range(3))
 
 
+def _stub_result(fqn: str, path: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(
+        index=MetadataIndex(fqn=fqn),
+        size_in_bytes=length,
+        storage_data=_StorageInfo(relative_path=path, offset=offset, length=length),
+    )
+
+
+def _reuse_finalize(path: str, prepared: Metadata, results: list[WriteResult]) -> None:
+    writer = FileSystemWriterAsync(path)
+    writer.retrieve_write_results = lambda: results  # type: ignore[method-assign]
+    wrapper = _DistWrapper(group=None, use_dist=True, coordinator_rank=0)
+    save_state_dict_async_finalize(writer, None, wrapper, reuse_metadata_obj=prepared)
+
+
+def _metadata_reuse(rank: int, world: int, root: str, queues: dict) -> None:
+    """test_metadata_reuse_validation.py::TestReuseFinalizeLayoutGuard::* (layouts stubbed
+    as upstream does), then the real flow: create the metadata on one save, reuse it on the
+    next, and a grown non-tensor item fails the save on every rank, nothing committed."""
+    sizes = {"opt": 1645, "w": 4096}
+    entries = []
+    for r in range(world):
+        entries.append((f"opt.rank_{r}", f"__{r}_0.distcp", 0, sizes["opt"]))
+        entries.append((f"w.rank_{r}", f"__{r}_0.distcp", sizes["opt"], sizes["w"]))
+    prepared = Metadata(
+        state_dict_metadata={},
+        storage_data={
+            MetadataIndex(fqn=f): _StorageInfo(relative_path=p, offset=o, length=n)
+            for f, p, o, n in entries
+        },
+    )
+    mine = [_stub_result(*e) for e in entries if e[0].endswith(f"rank_{rank}")]
+    path = _fresh(root, "reuse_match")
+    _reuse_finalize(path, prepared, mine)
+    dist.barrier()
+    assert _metadata(path).storage_data == prepared.storage_data
+    path = _fresh(root, "reuse_stale")
+    if rank == 0:  # the optimizer item grew by 64 bytes, the weight after it moved
+        mine = [
+            _stub_result("opt.rank_0", "__0_0.distcp", 0, 1709),
+            _stub_result("w.rank_0", "__0_0.distcp", 1709, 4096),
+        ]
+    with pytest.raises(CheckpointException, match="stale"):
+        _reuse_finalize(path, prepared, mine)
+    dist.barrier()
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+
+    state = _state(rank, world)
+    state["extra"] = {"step": 255, "note": "x"}  # a pickled (non-tensor) item
+    created_path = os.path.join(root, "prepared.metadata")
+    plan = save_state_dict_async_plan(state, FileSystemWriterAsync(_fresh(root, "create")))
+    save_fn, preload_fn, args = plan[0].get_save_function_and_args()
+    AsyncRequest(save_fn, args, [], preload_fn=preload_fn).execute_sync()
+    created = save_state_dict_async_finalize(*plan, create_metadata_path=created_path)
+    dist.barrier()
+    assert (
+        created is not None
+        and created.storage_data == _metadata(plan[0].checkpoint_dir).storage_data
+    )
+    with open(created_path, "rb") as f:
+        assert pickle.load(f).storage_data == created.storage_data
+    # Same pickled size (the zip format pads to 64 bytes) vs. a note grown by 300 bytes.
+    for step, note, should_fail in ((200, "y", False), (201, "z" * 300, True)):
+        state["extra"] = {"step": step, "note": note}
+        path = _fresh(root, f"reuse_real_{step}")
+        plan = save_state_dict_async_plan(state, FileSystemWriterAsync(path))
+        save_fn, preload_fn, args = plan[0].get_save_function_and_args()
+        AsyncRequest(save_fn, args, [], preload_fn=preload_fn).execute_sync()
+        if should_fail:
+            with pytest.raises(CheckpointException, match="stale for item"):
+                save_state_dict_async_finalize(*plan, reuse_metadata_obj=created)
+            dist.barrier()
+            assert not os.path.exists(os.path.join(path, ".metadata"))
+        else:
+            save_state_dict_async_finalize(*plan, reuse_metadata_obj=created)
+            loaded = _load(path, state)
+            assert loaded["extra"] == {"step": 200, "note": "y"}
+            _assert_equal_states(loaded, state)
+
+
 def _running(caller: Any) -> bool:
     return caller is not None and caller._debug_is_async_process_running()
 
@@ -271,6 +355,7 @@ def _all_scenarios(rank: int, world: int, root: str) -> None:
         _invalid_setup_and_errors,
         _cached_metadata,
         _staging_switches,
+        _metadata_reuse,
         _multiple_queues_and_abort,
         _abort_then_delete,
     )
