@@ -41,6 +41,7 @@ from resilient_ckpt.errors import (
     CheckpointWriteError,
     ConfigurationError,
     RemoteExceptionError,
+    WorkerDiedError,
 )
 from resilient_ckpt.utils import preload_tensors
 
@@ -95,7 +96,7 @@ def test_wrap_exception_for_gather_replaces_an_unpicklable_exception() -> None:
 # -- finalize_timeout (test_finalize_timeout.py) -----------------------------------------------
 
 
-def _wait_then_return(gate: str, *_: Any) -> None:
+def _wait_then_return(gate: str, *_: Any, **__: Any) -> None:
     wait_for_file(gate)
 
 
@@ -165,9 +166,10 @@ class _HeldCaller(AsyncCaller):
         return []
 
 
+@pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("field", ["async_fn", "async_fn_args", "async_fn_kwargs", "preload_fn"])
-def test_queue_releases_what_the_write_reads_once_scheduled(monkeypatch, field) -> None:
-    queue = AsyncCallsQueue()
+def test_queue_releases_what_the_write_reads_once_scheduled(monkeypatch, field, persistent) -> None:
+    queue = AsyncCallsQueue(persistent=persistent)
     caller = _HeldCaller()
     monkeypatch.setattr(queue, "_get_async_caller", lambda: caller)
     finalized: list[int] = []
@@ -272,19 +274,32 @@ def test_fork_caller_keeps_staged_data_until_the_child_finishes(tmp_path) -> Non
         queue.close(abort=True)
 
 
-def test_fork_caller_without_preload_keeps_the_execution_alive(tmp_path) -> None:
+@pytest.mark.parametrize("abort", [False, True])
+@pytest.mark.parametrize("field", ["async_fn", "async_fn_args", "async_fn_kwargs"])
+def test_fork_caller_without_preload_keeps_the_execution_alive(tmp_path, field, abort) -> None:
     gate = str(tmp_path / "gate")
     queue = AsyncCallsQueue(persistent=False)
     source = torch.tensor(42)
     source_ref = weakref.ref(source)
+    request = {
+        "async_fn": AsyncRequest(functools.partial(_wait_then_return, gate, source), (), []),
+        "async_fn_args": AsyncRequest(_wait_then_return, (gate, source), []),
+        "async_fn_kwargs": AsyncRequest(_wait_then_return, (gate,), [], {"source": source}),
+    }[field]
     try:
-        queue.schedule_async_request(AsyncRequest(_wait_then_return, (gate, source), []))
-        del source
+        queue.schedule_async_request(request)
+        del source, request
         gc.collect()
         assert source_ref() is not None  # the child may still read it
         assert queue.maybe_finalize_async_calls(no_dist=True) == []
-        open(gate, "w").close()
-        assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0]
+        if abort:
+            # Ours does not finalize a killed write as a success (NVRx returns [0] here).
+            queue.async_calls[0].async_caller.close(abort=True)
+            with pytest.raises(WorkerDiedError):
+                queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        else:
+            open(gate, "w").close()
+            assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0]
         gc.collect()
         assert source_ref() is None
     finally:
@@ -301,10 +316,13 @@ def _finish(writer: FileSystemWriterAsync, metadata: Any) -> None:
     )
 
 
-def test_writer_transfers_its_payload_and_still_writes(tmp_path) -> None:
+@pytest.mark.parametrize("use_cpu_shm", [False, True])
+def test_writer_transfers_its_payload_and_still_writes(tmp_path, use_cpu_shm) -> None:
     log = tmp_path / "opened.log"
     ckpt = tmp_path / "ckpt"
-    writer, planner, metadata = prepared_writer(ckpt, small_state(), open_file=RecordingOpen(log))
+    writer, planner, metadata = prepared_writer(
+        ckpt, small_state(), open_file=RecordingOpen(log), use_cpu_shm_for_gpu_tensors=use_cpu_shm
+    )
     (_, _, (byte_data, tensor_data)) = writer.write_buckets[0]
     snapshot_ref = weakref.ref(tensor_data[0][1])
     byte_ref = weakref.ref(byte_data[0][1])
