@@ -70,7 +70,7 @@ class AsyncCallsQueue:
         self,
         persistent: bool = True,
         is_daemon: bool = True,
-        cpu_priority: int = 10,
+        cpu_priority: int | None = 10,
         io_priority: int | None = None,
         sigterm_timeout: float = 30.0,
         cpu_shm_mode: bool = False,
@@ -126,7 +126,7 @@ class AsyncCallsQueue:
         cls,
         rank: int,
         is_daemon: bool = True,
-        cpu_priority: int = 10,
+        cpu_priority: int | None = 10,
         io_priority: int | None = None,
         sigterm_timeout: float = 30.0,
         cpu_shm_mode: bool = False,
@@ -154,7 +154,17 @@ class AsyncCallsQueue:
         caller.schedule_async_call(frozen._replace(call_idx=call_idx, finalize_fns=[]))
         self.call_idx = call_idx
         self.timings[call_idx] = {"stall": time.perf_counter() - started}
-        self.async_calls.append(_ActiveAsyncRequest(call_idx, caller, frozen))
+        # Ownership of what the write reads ends here: the caller holds its snapshot (or,
+        # for a fork, the execution itself), so the trainer's tensors are not kept alive
+        # until finalize by this queue. Only the finalize functions stay.
+        active = frozen._replace(
+            call_idx=call_idx,
+            async_fn=None,
+            async_fn_args=(),
+            async_fn_kwargs=None,
+            preload_fn=None,
+        )
+        self.async_calls.append(_ActiveAsyncRequest(call_idx, caller, active))
         return call_idx
 
     def maybe_finalize_async_calls(
@@ -254,9 +264,15 @@ class AsyncCallsQueue:
 
 
 def abort_nvrx_checkpoint() -> None:
-    """Abort every live queue's pending checkpoints and stop their workers (NVRx name)."""
+    """Abort every live queue's pending checkpoints and stop their workers (NVRx name).
+
+    Meant for in-process restarts: the queues stay usable (unlike after their own
+    ``close()``), so finalizing one with nothing pending returns ``[]`` and the next
+    request starts a fresh worker.
+    """
     for queue in AsyncCallsQueue.get_instances():
         queue.close(abort=True)
+        queue._closed = False
     warmed = AsyncCallsQueue._warmup_persistent_caller
     if warmed is not None:
         warmed.close(abort=True)
