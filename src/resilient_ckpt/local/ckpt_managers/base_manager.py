@@ -52,6 +52,7 @@ from ...errors import (
     CorruptCheckpointError,
     SameMachineReplicationException,
 )
+from .. import _format, _nvrx_format
 from .._agreement import agree, agree_gather
 from .._background import BackgroundSaves, clique_for_background, wait_for_status, write_status
 from .._format import (
@@ -359,7 +360,9 @@ class BaseCheckpointManager(ABC):
 
     def _check_received(self, buffer: torch.Tensor, sender: int, ckpt_id: CkptID) -> None:
         copy = _catalogue.find_copy(self._catalogue, sender, ckpt_id[0], ckpt_id[1])
-        if copy is not None and crc_of(buffer) != copy.crc32:
+        if copy is not None and copy.nvrx:
+            _nvrx_format.verify(_format.bytes_view(buffer), f"copy of {ckpt_id} from rank {sender}")
+        elif copy is not None and crc_of(buffer) != copy.crc32:
             raise CorruptCheckpointError(
                 f"copy of {ckpt_id} received from rank {sender} does not match its checksum"
             )
