@@ -192,16 +192,20 @@ class BaseCheckpointManager(ABC):
         started = time.perf_counter()
         self._background.drain(default_timeouts().finalize)
         self._drop_cache()
-        _, catalogue = agree_gather(
-            "local checkpoint scan", lambda: (None, self._list_copies(set(self._inflight)))
+        # Each rank's replication setup travels with its catalogue: cliques may differ in
+        # size (NVRx allows any partition), and a rank's copies are checked against its own.
+        _, scans = agree_gather(
+            "local checkpoint scan",
+            lambda: (None, (self._list_copies(set(self._inflight)), self._replication_params())),
         )
+        catalogue = [scan[0] for scan in scans]
         self._catalogue = catalogue
         _catalogue.check_world_size(catalogue, self.world_size)
         use_replicas = self.repl_strategy is not None
         latest = -1
         for iteration in _catalogue.candidate_iterations(catalogue, self.world_size, use_replicas):
             for note in _catalogue.check_replication(
-                catalogue, iteration, self._replication_params()
+                catalogue, iteration, [scan[1] for scan in scans]
             ):
                 logger.warning("%s", note)
             holders = self._verify_iteration(iteration, use_replicas)
