@@ -186,3 +186,18 @@ def _two_ranks(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.dist
 def test_nvrx_checkpoints_resume_on_two_ranks(tmp_path):
     launch(_two_ranks, 2, str(tmp_path), timeout=120)
+
+
+def test_convert_reads_an_nvrx_shard(tmp_path):
+    from resilient_ckpt import _catalog
+
+    src = _rank_dir(tmp_path) / "iter_0000005_0_local.pt"
+    tensors = {"w": torch.randn(4, 3), "step": 5}
+    write_nvrx_basic(src, tensors)
+    dst = tmp_path / "out.pt"
+    assert _catalog.convert(str(src), str(dst)) == "local shard -> torch.save"
+    out = torch.load(dst, weights_only=False)
+    assert torch.equal(out["w"], tensors["w"]) and out["step"] == 5
+    _flip_in_record(src, "data/0")
+    with pytest.raises(CheckpointingException, match="damaged"):
+        _catalog.convert(str(src), str(tmp_path / "bad.pt"))
