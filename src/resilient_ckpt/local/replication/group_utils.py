@@ -10,6 +10,12 @@ afterwards).
 
 Sizes travel first (an ``all_gather_object`` of a few integers, or a two-integer message
 per transfer), so every receiver allocates exactly the bytes it gets.
+
+NVRx's names live here too, for code written against it: ``GroupWrapper`` (Megatron-LM
+builds its replication groups with ``GroupWrapper.from_list_of_groups`` and hands the
+wrapper to ``CliqueReplicationStrategy``, which accepts it), ``ProcessGroupLike`` and
+``batched``. ``GroupWrapper`` keeps NVRx's object-then-tensors exchanges for callers that
+use them directly; the strategies here do not.
 """
 
 from __future__ import annotations
