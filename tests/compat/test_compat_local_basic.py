@@ -9,6 +9,7 @@ One launch runs every case (starting ranks costs more than the cases themselves)
   directory that does not exist yet, on a disk directory and on ``/dev/shm``;
 * one rank's file removed: no complete checkpoint (-1) on every rank;
 * saving again after that, then a newer iteration: retention removes the older file;
+* the same state saved through an ``AsyncCallsQueue`` (fork caller) and changed at once;
 * find_latest with files of other ranks and files with an extra suffix in a rank's
   directory and replication off: nothing complete (-1).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from resilient_ckpt.async_ckpt.core import AsyncCallsQueue
 from resilient_ckpt.local.ckpt_managers.local_manager import LocalCheckpointManager
 from resilient_ckpt.testing import launch
 
@@ -95,10 +97,29 @@ def _find_latest_without_replication(rank: int, root: Path, suffix: str) -> None
     dist.barrier()
 
 
+def _through_a_queue(rank: int, root: Path) -> None:
+    """The way training code schedules a local save: on an AsyncCallsQueue (fork caller)."""
+    mgr = LocalCheckpointManager(root / "queued")
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        state = _state(rank, 3)
+        expected = state.clone()
+        queue.schedule_async_request(mgr.save(state, 3, is_async=True))
+        state._tensors[-1].mul_(-1)
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    fresh = LocalCheckpointManager(root / "queued")
+    assert fresh.find_latest() == 3
+    loaded, _ = fresh.load()
+    assert loaded.same_values(expected)
+
+
 def _scenarios(rank: int, world_size: int, disk_root: str, shm_root: str) -> None:
     for index, base in enumerate((disk_root, shm_root)):
         for is_async in (False, True):
             _save_load_scenarios(rank, Path(base) / f"case{index}{int(is_async)}", is_async)
+    _through_a_queue(rank, Path(disk_root))
     for suffix in ("", "some_suffix", "some suffix with spaces"):
         _find_latest_without_replication(rank, Path(disk_root), suffix)
 

@@ -28,6 +28,13 @@ pytestmark = pytest.mark.dist
 GROUPS = [[0, 2], [1]]
 
 
+def _lose_directory(path: Path) -> None:
+    """A replaced node: the rank's directory is gone. The library's background deleter
+    may be unlinking retained files in it at the same moment, hence the retry."""
+    while path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _batch(rank: int) -> list[torch.Tensor]:
     """Rank r contributes r tensors of different shapes and dtypes (rank 0: none)."""
     return [
@@ -100,7 +107,7 @@ def _replicated_saves(rank: int, mine: GroupWrapper, root: Path) -> None:
     # Rank 2's node is replaced: its shard comes back from rank 0.
     dist.barrier()
     if rank == 2:
-        shutil.rmtree(mgr.local_ckpt_dir)
+        _lose_directory(Path(mgr.local_ckpt_dir))
     dist.barrier()
     fresh = manager()
     assert fresh.find_latest() == 2
@@ -116,7 +123,7 @@ def _replicated_saves(rank: int, mine: GroupWrapper, root: Path) -> None:
     mgr.save(HostOnlyStateDict(iteration=1, seed=rank), 1)
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(mgr.local_ckpt_dir)
+        _lose_directory(Path(mgr.local_ckpt_dir))
     dist.barrier()
     fresh = LocalCheckpointManager(other, repl_strategy=CliqueReplicationStrategy(mine))
     assert fresh.find_latest() == 1
