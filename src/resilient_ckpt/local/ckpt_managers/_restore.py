@@ -23,6 +23,7 @@ from ...errors import (
     CheckpointingException,
     CorruptCheckpointError,
 )
+from .. import _format, _nvrx_format
 from .._agreement import agree, agree_gather
 from .._format import (
     ShardBuffer,
@@ -53,16 +54,20 @@ class RestoreSteps(ManagerBase):
         started = time.perf_counter()
         self._background.drain(default_timeouts().finalize)
         self._drop_cache()
-        _, catalogue = agree_gather(
-            "local checkpoint scan", lambda: (None, self._list_copies(set(self._inflight)))
+        # Each rank's replication setup travels with its catalogue: cliques may differ in
+        # size (NVRx allows any partition), and a rank's copies are checked against its own.
+        _, scans = agree_gather(
+            "local checkpoint scan",
+            lambda: (None, (self._list_copies(set(self._inflight)), self._replication_params())),
         )
+        catalogue = [scan[0] for scan in scans]
         self._catalogue = catalogue
         _catalogue.check_world_size(catalogue, self.world_size)
         use_replicas = self.repl_strategy is not None
         latest = -1
         for iteration in _catalogue.candidate_iterations(catalogue, self.world_size, use_replicas):
             for note in _catalogue.check_replication(
-                catalogue, iteration, self._replication_params()
+                catalogue, iteration, [scan[1] for scan in scans]
             ):
                 logger.warning("%s", note)
             holders = self._verify_iteration(iteration, use_replicas)
@@ -216,7 +221,9 @@ class RestoreSteps(ManagerBase):
 
     def _check_received(self, buffer: torch.Tensor, sender: int, ckpt_id: CkptID) -> None:
         copy = _catalogue.find_copy(self._catalogue, sender, ckpt_id[0], ckpt_id[1])
-        if copy is not None and crc_of(buffer) != copy.crc32:
+        if copy is not None and copy.nvrx:
+            _nvrx_format.verify(_format.bytes_view(buffer), f"copy of {ckpt_id} from rank {sender}")
+        elif copy is not None and crc_of(buffer) != copy.crc32:
             raise CorruptCheckpointError(
                 f"copy of {ckpt_id} received from rank {sender} does not match its checksum"
             )
