@@ -14,10 +14,11 @@ from collections import OrderedDict
 from multiprocessing.connection import wait
 from typing import Any
 
+from .. import _dist
 from .._logging import get_logger
 from ..config import Timeouts
 from ..errors import CheckpointTimeoutError, WorkerDiedError
-from . import _completion, _worker
+from . import _worker
 from ._callers import LocalStatus, exit_description
 from ._completion import State
 from ._messages import Channel, Hello
@@ -55,7 +56,7 @@ class WorkerLifecycle:
     def start(self, rank: int | None = None, wait_ready: bool = True) -> None:
         """Spawn the worker (if not running); optionally wait for its handshake."""
         if self.process is None:
-            self.rank = rank if rank is not None else _completion.my_rank()
+            self.rank = rank if rank is not None else _dist.rank()
             ctx = mp.get_context("spawn")
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             level = logging.getLogger("resilient_ckpt").getEffectiveLevel()

@@ -26,7 +26,7 @@ from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
 from ._copy import check_copy_threads, warm_threads
 from ._lifecycle import WorkerLifecycle
-from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
+from ._messages import AttachArena, Channel, Result, Shutdown, Submit
 from ._request import AsyncRequest
 from ._staging import ArenaPool, StagedRequest, stage, tensor_nbytes
 
@@ -294,8 +294,12 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
                         if self.process is None:
                             break
                         wait([proc.sentinel], min(0.2, deadline - time.monotonic()))
-                except (OSError, EOFError, WorkerDiedError, CheckpointTimeoutError):
-                    pass
+                except (OSError, EOFError, WorkerDiedError, CheckpointTimeoutError) as exc:
+                    logger.warning(
+                        "checkpoint worker pid %s did not shut down cleanly (%s); stopping it",
+                        proc.pid,
+                        exc,
+                    )
                 dropped = [i for i in self._inflight if i not in self._status]
             if proc.exitcode is None:
                 proc.terminate()
@@ -305,6 +309,8 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
                 proc.kill()
                 proc.join(self.timeouts.shutdown)
             self._reap()
+        for idx, status in self._status.items():
+            self._log_dropped_failure(idx, status)
         for idx in dropped:
             self._status.pop(idx, None)
         self._unfinalized.clear()
@@ -317,12 +323,3 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
     def staging_arenas_created(self) -> int:
         """How many shared-memory arenas this caller has allocated (for memory checks)."""
         return self._pool.created
-
-    def detach_idle_arenas(self) -> None:
-        """Free idle staging memory (e.g. before a long pause); reallocated on next save."""
-        for arena in list(self._pool.free):
-            if self._channel is not None and arena.arena_id in self._attached:
-                self._channel.send(DetachArena(arena.arena_id))
-                self._attached.discard(arena.arena_id)
-            self._pool.free.remove(arena)
-            arena.close()
