@@ -26,9 +26,9 @@ from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
 from ._copy import check_copy_threads, warm_threads
 from ._lifecycle import WorkerLifecycle
-from ._messages import AttachArena, Channel, Result, Shutdown, Submit
+from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
-from ._staging import ArenaPool, StagedRequest, stage, tensor_nbytes
+from ._staging import Arena, ArenaPool, StagedRequest, stage, tensor_nbytes
 
 logger = get_logger(__name__)
 
@@ -140,13 +140,8 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
             channel = self._channel
             if channel is None:
                 raise WorkerDiedError(f"rank {self.rank}: checkpoint worker is gone")
-            if staged.arena is not None and arena_id not in self._attached:
-                channel.send(
-                    AttachArena(staged.arena.arena_id, staged.arena.nbytes),
-                    fd=staged.arena.fd,
-                    peer_pid=self._worker_pid,
-                )
-                self._attached.add(staged.arena.arena_id)
+            if staged.arena is not None:
+                self._attach(channel, staged.arena)
             channel.send(Submit(call_idx, arena_id, staged.slots, staged.payload))
         except OSError as exc:
             if isinstance(exc, CheckpointingException):
@@ -185,15 +180,22 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
             return
         arena = self._pool.acquire(size, self._wait_for_release)
         try:
-            if arena.arena_id not in self._attached and self._channel is not None:
-                self._channel.send(
-                    AttachArena(arena.arena_id, arena.nbytes),
-                    fd=arena.fd,
-                    peer_pid=self._worker_pid,
-                )
-                self._attached.add(arena.arena_id)
+            if self._channel is not None:
+                self._attach(self._channel, arena)
         finally:
             self._pool.release(arena.arena_id)
+
+    def _attach(self, channel: Channel, arena: Arena) -> None:
+        """Hand ``arena`` to the worker (once); make it unmap the arenas the pool replaced,
+        so neither process keeps memory that no longer serves any save."""
+        for stale in self._attached - self._pool.live_ids():
+            channel.send(DetachArena(stale))
+            self._attached.discard(stale)
+        if arena.arena_id not in self._attached:
+            channel.send(
+                AttachArena(arena.arena_id, arena.nbytes), fd=arena.fd, peer_pid=self._worker_pid
+            )
+            self._attached.add(arena.arena_id)
 
     def _wait_for_release(self) -> bool:
         """Block until some in-flight call settles (frees its arena); False on deadline."""

@@ -322,6 +322,7 @@ class ArenaPool:
         self.free: list[Arena] = []
         self.busy: dict[int, Arena] = {}
         self.created = 0
+        self.replaced = 0
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int, wait_for_release: Callable[[], bool]) -> Arena:
@@ -333,10 +334,12 @@ class ArenaPool:
                     self.free.remove(arena)
                     self.busy[arena.arena_id] = arena
                     return arena
-                if len(self.free) + len(self.busy) >= self.max_arenas and self.free:
-                    # Every idle arena is too small: replace the smallest.
-                    self.free.sort(key=lambda a: a.nbytes)
-                    self.free.pop(0).close()
+                # Every idle arena is too small for this state (its structure grew): replace
+                # them rather than keep memory that no save of this size can use.
+                for small in self.free:
+                    small.close()
+                    self.replaced += 1
+                self.free.clear()
                 if len(self.free) + len(self.busy) < self.max_arenas:
                     arena = self._create(nbytes)
                     self.busy[arena.arena_id] = arena
@@ -359,6 +362,11 @@ class ArenaPool:
         self.created += 1
         logger.debug("created staging arena %d (%d bytes)", arena.arena_id, arena.nbytes)
         return arena
+
+    def live_ids(self) -> set[int]:
+        """Ids of the arenas that exist (free or busy); others were closed or replaced."""
+        with self._lock:
+            return {a.arena_id for a in self.free} | set(self.busy)
 
     def release(self, arena_id: int) -> None:
         with self._lock:
