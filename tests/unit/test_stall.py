@@ -19,6 +19,7 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
     save_state_dict_async_plan,
 )
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+from resilient_ckpt.async_ckpt.warmup import warmup_async_save
 from resilient_ckpt.errors import ConfigurationError
 from tests._helpers import memfd_mappings
 
@@ -220,5 +221,27 @@ def test_async_dcp_flow_restages_on_structure_change(tmp_path) -> None:
             dcp.load(target, checkpoint_id=str(tmp_path / f"d{n}"))
             _same(expected, target)
         assert (cache.hits, cache.misses) == (3, 4)
+    finally:
+        queue.close()
+
+
+@pytest.mark.timeout(120)
+def test_warmup_async_save_plans_ahead_so_the_first_save_reuses_everything(tmp_path) -> None:
+    warnings.filterwarnings("ignore")
+    cache = CheckpointMetadataCache()
+    queue = AsyncCallsQueue()
+    state = {k: v for k, v in _state(n_small=10).items() if k != "view"}
+    try:
+        warmup_async_save(state, queue, metadata_cache=cache, thread_count=2)
+        caller = queue.persistent_caller
+        assert caller is not None and caller.staging_arenas_created == 1
+        assert (cache.hits, cache.misses) == (0, 1)
+        _dcp_save(queue, state, tmp_path / "first", cache, overlap=False)
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        assert (cache.hits, cache.misses) == (1, 1)
+        assert caller.staging_arenas_created == 1
+        target = {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in state.items()}
+        dcp.load(target, checkpoint_id=str(tmp_path / "first"))
+        _same(state, target)
     finally:
         queue.close()

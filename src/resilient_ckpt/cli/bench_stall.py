@@ -14,8 +14,9 @@ For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) 
   pinned memory, no non-blocking copies: CPU);
 * the overlapped modes (``overlap_staging=True``): the save call alone, and the later
   ``wait_for_snapshot``;
-* the first save after the documented warm-up (``warmup(state)``, fresh objects) against
-  the steady-state median.
+* the first save after the documented warm-up (fresh objects; ``warmup(state)``, and
+  :func:`resilient_ckpt.async_ckpt.warmup.warmup_async_save` for DCP) against the
+  steady-state median.
 
 DCP states are DTensor shards (every rank writes its own bytes); the other flows save the
 local shards. Figures are medians of the slowest rank per repetition. Optionally
@@ -108,6 +109,7 @@ class _Flows:
         from ..async_ckpt.core import AsyncCallsQueue
         from ..async_ckpt.state_dict_saver import CheckpointMetadataCache
         from ..async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+        from ..async_ckpt.warmup import warmup_async_save
         from ..local import LocalCheckpointManager
 
         nbytes, tensors = SHAPES[shape]
@@ -123,8 +125,8 @@ class _Flows:
         self.torch_ckpt.warmup(self.local)
         self.first["ours torch"] = self.torch_async(overlap=False)["stall"]
         self.queue = AsyncCallsQueue()
-        self.queue.warmup(nbytes=nbytes + (1 << 20))
         self.cache = CheckpointMetadataCache()
+        warmup_async_save(self.sharded, self.queue, metadata_cache=self.cache, thread_count=2)
         self.first["ours DCP"] = self.ours_dcp(overlap=False)["stall"]
         self.local_queue = AsyncCallsQueue()
         self.local_queue.warmup(self.local)
@@ -285,7 +287,8 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
                         samples.setdefault(f"{name}|{key}", []).append(value)
         for name, value in flows.first.items():
             samples[f"{name}|first"] = [value]
-        if cfg.memory_saves and shape == cfg.shapes[-1]:
+        memory_shape = "64M/2000" if "64M/2000" in cfg.shapes else cfg.shapes[-1]
+        if cfg.memory_saves and shape == memory_shape:
             for key, value in flows.memory(cfg.memory_saves).items():
                 samples[f"memory|{key}"] = [value]
         flows.close()
