@@ -48,7 +48,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import WRAPPED_EXCEPTION, _wrap_exception
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -66,13 +66,13 @@ from ..errors import (
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
 from ..storage.commit import RecordCommit
+from ._dcp_buckets import build_buckets
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
     WriteJob,
     discard_report,
     load_report,
-    plan_files,
     run_write_job,
     write_file,
 )
@@ -155,20 +155,6 @@ def _checkpoint_dir(path: Any) -> str:
     if isinstance(path, (str, os.PathLike)):
         return os.fspath(path) if not isinstance(path, str) else path
     raise ConfigurationError(f"checkpoint path must be a str or os.PathLike, got {path!r}")
-
-
-def _snapshot_view(tensor: Any, fqn: str) -> torch.Tensor:
-    """Detach; clone a CPU view whose storage is larger than its bytes (else staging would
-    copy the whole base storage, and torch's writer would clone it anyway)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ConfigurationError(
-            f"the planner resolved tensor item {fqn!r} to a {type(tensor).__name__}"
-        )
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-            return tensor.clone()
-    return tensor
 
 
 class FileSystemWriterAsync(FileSystemWriter):
@@ -330,17 +316,16 @@ class FileSystemWriterAsync(FileSystemWriter):
                 "the final save plan has no storage prefix; plan with "
                 "save_state_dict_async_plan (it runs prepare_global_plan)"
             )
-        files = plan_files(
-            plan.items,
+        self.write_buckets = build_buckets(
+            plan,
+            planner,
             prefix=storage.prefix,
+            join=self._backend.join,
+            checkpoint_dir=self.checkpoint_dir,
             thread_count=self.thread_count,
             single_file_per_rank=self.single_file_per_rank,
             separation_hint=self.separation_hint,
         )
-        self.write_buckets = [
-            (self._backend.join(self.checkpoint_dir, name), name, _resolve(items, planner))
-            for name, items in files
-        ]
         self._job = WriteJob(
             checkpoint_dir=self.checkpoint_dir,
             use_msc=self.use_msc,
@@ -518,18 +503,6 @@ class FileSystemWriterAsync(FileSystemWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
-
-
-def _resolve(items: list, planner: SavePlanner) -> tuple[list, list]:
-    bytes_data = [
-        (item, planner.resolve_data(item)) for item in items if item.type == WriteItemType.BYTE_IO
-    ]
-    tensor_data = [
-        (item, _snapshot_view(planner.resolve_data(item), item.index.fqn))
-        for item in items
-        if item.type != WriteItemType.BYTE_IO
-    ]
-    return bytes_data, tensor_data
 
 
 def _nearest_existing_dir(path: str) -> str:
