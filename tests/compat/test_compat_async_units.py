@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from resilient_ckpt import _rank_errors
 from resilient_ckpt.async_ckpt import filesystem_async
 from resilient_ckpt.async_ckpt._callers import AsyncCaller, LocalStatus, TemporalAsyncCaller
 from resilient_ckpt.async_ckpt._completion import State
@@ -65,7 +66,7 @@ class _FrameWithCode:
 
 
 def test_wrap_exception_for_gather_clears_code_objects(monkeypatch) -> None:
-    monkeypatch.setattr(filesystem_async, "_wrap_exception", lambda exc: (exc, [_FrameWithCode()]))
+    monkeypatch.setattr(_rank_errors, "_wrap_exception", lambda exc: (exc, [_FrameWithCode()]))
     wrapped = filesystem_async._wrap_exception_for_gather(RuntimeError("boom"))
     assert wrapped[1][0]._code is None
     pickle.dumps(wrapped)

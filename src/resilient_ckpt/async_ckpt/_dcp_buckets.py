@@ -247,3 +247,23 @@ def build_buckets(
         tensor_data.blob = blob
         buckets.append((join(checkpoint_dir, name), name, (bytes_data, tensor_data)))
     return buckets
+
+
+def host_buckets(write_buckets: list[WriteBucket], non_blocking: bool = True) -> list[WriteBucket]:
+    """The buckets with every tensor on the host, none aliasing memory that another
+    process can change (see ``FileSystemWriterAsync.preload_tensors``)."""
+    moved_from_device = False
+    result: list[WriteBucket] = []
+    for path, name, (bytes_data, tensor_data) in write_buckets:
+        host = []
+        for item, tensor in tensor_data:
+            if tensor.device.type != "cpu":
+                moved_from_device = True
+                tensor = tensor.to("cpu", non_blocking=non_blocking)
+            elif tensor.is_shared():
+                tensor = tensor.detach().clone()
+            host.append((item, tensor))
+        result.append((path, name, (bytes_data, host)))
+    if moved_from_device and non_blocking and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result

@@ -29,6 +29,11 @@ Call protocol (every rank; "trainer" is the training process):
 A writer holds the state of one save; create one per checkpoint, as with NVRx. All I/O goes
 through the storage backend chosen by the path (``msc://`` or ``use_msc``), so object stores
 plug in without changes here.
+
+Behind the class: :mod:`._writer_checks` (what the constructor checks), :mod:`._dcp_buckets`
+(items into per-file buckets), :mod:`._dcp_write` (the background write),
+:mod:`._writer_results` (checking its report, filling the commit record) and
+:class:`~resilient_ckpt.storage.commit.RecordCommit` (writing and removing that record).
 """
 
 from __future__ import annotations
@@ -37,15 +42,10 @@ import dataclasses
 import functools
 import os
 import pickle
-import tempfile
-import traceback
 import uuid
-from collections.abc import Callable
 from typing import Any, ClassVar
 
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import WRAPPED_EXCEPTION, _wrap_exception
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -54,19 +54,18 @@ from torch.futures import Future
 
 from .. import _dist
 from .._logging import get_logger
+from .._rank_errors import wrap_for_gather as _wrap_exception_for_gather  # noqa: F401 (NVRx name)
 from ..config import RetryPolicy
 from ..errors import (
     CheckpointExistsError,
     CheckpointWriteError,
     ConfigurationError,
     FrozenRequestError,
-    RemoteExceptionError,
-    StorageError,
 )
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
 from ..storage.commit import RecordCommit
-from ._dcp_buckets import build_buckets
+from ._dcp_buckets import build_buckets, host_buckets
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
@@ -76,13 +75,17 @@ from ._dcp_write import (
     run_write_job,
     write_file,
 )
+from ._writer_checks import check_flag, check_open_file, check_writer_options, checkpoint_dir_of
+from ._writer_results import (
+    FILE_TABLE_ATTR,  # noqa: F401 (imported from here)
+    attach_file_table,
+    checked_files,
+    complete_metadata,
+)
 
 logger = get_logger(__name__)
 
 __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
-
-# Extra attribute of the pickled Metadata (dcp.load ignores it): {"algorithm", "files"}.
-FILE_TABLE_ATTR = "resilient_ckpt_files"
 
 # NVRx/Megatron probe for this attribute; our writer returns results through a file instead.
 _results_queue: Any = None
@@ -96,65 +99,6 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
 
         _results_queue = mp.get_context(mp_mode).Manager().Queue()
     return _results_queue
-
-
-def _wrap_exception_for_gather(exc: BaseException) -> WRAPPED_EXCEPTION:
-    """``(exception, stack summary)`` as torch's ``_wrap_exception`` makes it, made safe to
-    pickle, because ``gather_object`` pickles it on the failing rank: a pickling error
-    there would leave the other ranks waiting in the gather instead of reporting the
-    failure (NVRx name).
-
-    Frames lose their code objects (Python 3.13+ keeps one per frame); an exception that
-    still does not pickle (a lock, a socket, a lambda among its attributes) is replaced by
-    a :class:`~resilient_ckpt.errors.RemoteExceptionError` carrying its type, message and
-    traceback text.
-    """
-    wrapped, stack = _wrap_exception(exc)
-    for frame in stack:
-        if getattr(frame, "_code", None) is not None:
-            object.__setattr__(frame, "_code", None)
-    try:
-        pickle.dumps(stack)
-    except Exception:
-        stack = traceback.StackSummary.from_list(
-            [(f.filename, f.lineno or 0, f.name, f.line) for f in stack]
-        )
-    try:
-        pickle.loads(pickle.dumps(wrapped))
-    except Exception as why:
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        wrapped = RemoteExceptionError(
-            f"{type(exc).__module__}.{type(exc).__qualname__}: {exc} (not picklable: {why!r})",
-            exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-            traceback_text=text,
-        )
-    return wrapped, stack
-
-
-def _check_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigurationError(f"FileSystemWriterAsync({name}=...) must be a bool, got {value!r}")
-    return value
-
-
-def _check_open_file(open_file: Any, use_msc: bool, checkpoint_dir: str) -> Callable[..., Any]:
-    if not callable(open_file):
-        raise ConfigurationError(
-            f"FileSystemWriterAsync(open_file=...) must be callable like open(path, mode), "
-            f"got {open_file!r}"
-        )
-    if open_file is not open and (use_msc or is_msc_url(checkpoint_dir)):
-        raise ConfigurationError(
-            "FileSystemWriterAsync(open_file=...) applies to local paths only; with msc the "
-            "multi-storage-client opens the objects (drop open_file or use_msc)"
-        )
-    return open_file
-
-
-def _checkpoint_dir(path: Any) -> str:
-    if isinstance(path, (str, os.PathLike)):
-        return os.fspath(path) if not isinstance(path, str) else path
-    raise ConfigurationError(f"checkpoint path must be a str or os.PathLike, got {path!r}")
 
 
 class FileSystemWriterAsync(FileSystemWriter):
@@ -202,13 +146,13 @@ class FileSystemWriterAsync(FileSystemWriter):
         retry_policy: RetryPolicy | None = None,
         **kwargs: Any,
     ) -> None:
-        checkpoint_dir = _checkpoint_dir(path)
-        self.open_file = _check_open_file(kwargs.pop("open_file", open), use_msc, checkpoint_dir)
-        self.is_multiproc_io = _check_flag("is_multiproc_io", is_multiproc_io)
-        self.use_cached_data_structure = _check_flag(
+        checkpoint_dir = checkpoint_dir_of(path)
+        self.open_file = check_open_file(kwargs.pop("open_file", open), use_msc, checkpoint_dir)
+        self.is_multiproc_io = check_flag("is_multiproc_io", is_multiproc_io)
+        self.use_cached_data_structure = check_flag(
             "use_cached_data_structure", use_cached_data_structure
         )
-        self.use_cpu_shm_for_gpu_tensors = _check_flag(
+        self.use_cpu_shm_for_gpu_tensors = check_flag(
             "use_cpu_shm_for_gpu_tensors", use_cpu_shm_for_gpu_tensors
         )
         self.retry_policy = retry_policy
@@ -245,25 +189,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         cls._shm_tensor_cache.clear()
 
     def _validate_options(self, checkpoint_dir: str) -> None:
-        if not isinstance(self.thread_count, int) or self.thread_count < 1:
-            raise ConfigurationError(f"thread_count must be an int >= 1, got {self.thread_count!r}")
-        if self.separation_hint is not None and (
-            not isinstance(self.separation_hint, str) or not self.separation_hint
-        ):
-            raise ConfigurationError(
-                f"separation_hint must be a non-empty str or None, got {self.separation_hint!r}"
-            )
-        fmt = getattr(self, "serialization_format", None)
-        if fmt is not None and getattr(fmt, "value", fmt) != "torch_save":
-            raise ConfigurationError(
-                f"FileSystemWriterAsync writes the torch_save format only, got {fmt!r}"
-            )
-        if isinstance(self._backend, PosixBackend):
-            if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
-                raise ConfigurationError(
-                    f"checkpoint path {checkpoint_dir!r} exists and is not a directory"
-                )
-            _probe_writable(_nearest_existing_dir(checkpoint_dir))
+        check_writer_options(self, checkpoint_dir, local=isinstance(self._backend, PosixBackend))
 
     # -- planning (trainer) -----------------------------------------------------------------
 
@@ -375,21 +301,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         trainer may still write to them (a fork shares such pages instead of copying them on
         write); private CPU tensors, our staged snapshots included, are passed as they are.
         """
-        moved_from_device = False
-        result: list[WriteBucket] = []
-        for path, name, (bytes_data, tensor_data) in write_buckets:
-            host = []
-            for item, tensor in tensor_data:
-                if tensor.device.type != "cpu":
-                    moved_from_device = True
-                    tensor = tensor.to("cpu", non_blocking=non_blocking)
-                elif tensor.is_shared():
-                    tensor = tensor.detach().clone()
-                host.append((item, tensor))
-            result.append((path, name, (bytes_data, host)))
-        if moved_from_device and non_blocking and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return result
+        return host_buckets(write_buckets, non_blocking)
 
     # -- the background write ---------------------------------------------------------------
 
@@ -427,23 +339,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         if not self._expected_files or self._job is None:
             return []
         report = load_report(self._job)
-        if report.failure is not None:
-            raise CheckpointWriteError(
-                f"Worker failure on rank {report.rank}: writing checkpoint files in "
-                f"{self.checkpoint_dir!r} failed in the background:\n{report.failure}",
-                rank=report.rank,
-                path=self.checkpoint_dir,
-            )
-        expected = set(self._expected_files)
-        written = {record.name for record in report.files}
-        if written != expected:
-            raise CheckpointWriteError(
-                f"rank {report.rank}: incomplete write: expected files {sorted(expected)}, "
-                f"the background write reported {sorted(written)}",
-                rank=report.rank,
-                path=self.checkpoint_dir,
-            )
-        self.written_files = {r.name: (r.size, r.crc32) for r in report.files}
+        self.written_files = checked_files(report, self._expected_files, self.checkpoint_dir)
         discard_report(self._job)
         return [result for record in report.files for result in record.results]
 
@@ -454,11 +350,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         file_checksums: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         """Write the commit record (coordinator only, after every rank's write succeeded)."""
-        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
-        metadata.storage_meta = self.storage_meta()
-        version = _dcp_version()
-        if version is not None:
-            metadata.version = version
+        complete_metadata(metadata, results, self.storage_meta())
         if file_checksums is None and len(results) == 1:
             file_checksums = self.written_files or None
         self.publish_metadata(metadata, file_checksums)
@@ -469,11 +361,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         """Write ``metadata`` as the commit record, atomically, with the data files'
         checksum table (coordinator only; ``finish`` fills it in first, a finalize that
         reuses prepared metadata publishes that as it is)."""
-        if file_checksums:
-            table = {"algorithm": "crc32", "files": dict(file_checksums)}
-            setattr(metadata, FILE_TABLE_ATTR, table)
-        else:
-            metadata.__dict__.pop(FILE_TABLE_ATTR, None)
+        attach_file_table(metadata, file_checksums)
         self._commit().commit(lambda f: pickle.dump(metadata, f))
         logger.info("committed checkpoint %s", self.checkpoint_dir)
 
@@ -487,7 +375,7 @@ class FileSystemWriterAsync(FileSystemWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
         if checkpoint_id:
-            self.checkpoint_dir = _checkpoint_dir(checkpoint_id)
+            self.checkpoint_dir = checkpoint_dir_of(checkpoint_id)
             self._backend = get_backend(
                 self.checkpoint_dir, use_msc=self.use_msc, retry=self.retry_policy
             )
@@ -503,30 +391,3 @@ class FileSystemWriterAsync(FileSystemWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
-
-
-def _nearest_existing_dir(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
-def _probe_writable(directory: str) -> None:
-    """Create and remove a file in ``directory`` (the checkpoint directory or the ancestor
-    it will be created in): the one reliable check, as root ignores permission bits. Done
-    once, when the writer is made, so a bad path fails there, before any collective."""
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".resilient_ckpt_probe-", dir=directory)
-    except OSError as exc:
-        raise StorageError(
-            f"checkpoint directory {directory!r} is not writable: {exc.strerror or exc}"
-        ) from exc
-    os.close(fd)
-    os.unlink(probe)
-
-
-def _dcp_version() -> str | None:
-    from torch.distributed.checkpoint import filesystem
-
-    return getattr(filesystem, "CURRENT_DCP_VERSION", None)

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import _dist
 from .._logging import get_logger
-from .._rank_errors import RankFailureError, from_checkpoint_exception
+from .._rank_errors import RankFailureError, from_checkpoint_exception, wrap_for_gather
 from ..errors import InvalidRequestError
 from ._metadata_reuse import (
     check_reuse_arguments,
@@ -54,7 +54,6 @@ from ._metadata_reuse import (
 )
 from ._planning import Planning, agree, check_writer, is_decentralized, plan_matches_loaded
 from ._structure import check_state_dict
-from .filesystem_async import _wrap_exception_for_gather
 
 logger = get_logger(__name__)
 
@@ -351,7 +350,7 @@ def save_state_dict_async_finalize(
         try:
             results = storage_writer.retrieve_write_results()
         except Exception as exc:
-            return _wrap_exception_for_gather(exc)
+            return wrap_for_gather(exc)
         if _is_wrapped_exception(results):
             return results
         checksums = dict(getattr(storage_writer, "written_files", {}) or {})
@@ -359,7 +358,7 @@ def save_state_dict_async_finalize(
             return _RankOutcome(results, checksums)
         mismatch = find_layout_mismatch(results, reuse_metadata_obj)
         if mismatch is not None:
-            return _wrap_exception_for_gather(stale_error(dist_wrapper.get_rank(), mismatch))
+            return wrap_for_gather(stale_error(dist_wrapper.get_rank(), mismatch))
         return _RankOutcome([], checksums)  # the prepared metadata already locates them
 
     def commit(outcomes: list[_RankOutcome]) -> None:

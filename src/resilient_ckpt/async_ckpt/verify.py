@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError, StorageError
 from ..storage import StorageBackend, get_backend
 from ..storage.commit import RecordCommit
-from .filesystem_async import FILE_TABLE_ATTR
+from ._writer_results import FILE_TABLE_ATTR
 
 __all__ = ["VerifiedCheckpoint", "verify_checkpoint"]
 
