@@ -349,7 +349,7 @@ def _abort_then_delete(rank: int, world: int, root: str, queues: dict) -> None:
 def _all_scenarios(rank: int, world: int, root: str) -> None:
     queues = {"daemon": AsyncCallsQueue(is_daemon=True), "plain": AsyncCallsQueue(is_daemon=False)}
     for queue in queues.values():  # boot both workers at once, not one per first save
-        queue._get_async_caller().start(wait_ready=False)
+        queue._get_async_caller()._start_worker(rank)
     scenarios = (
         _async_equals_sync,
         _invalid_setup_and_errors,
