@@ -46,7 +46,7 @@ from resilient_ckpt.utils import diff
 
 from ._async_common import failing_open
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(480)]
 
 
 def _state(rank: int, world: int, fill: float | None = None) -> dict[str, Any]:
@@ -371,4 +371,4 @@ def _all_scenarios(rank: int, world: int, root: str) -> None:
 
 
 def test_nvrx_async_writer_behaviours_on_two_ranks(tmp_path) -> None:
-    launch(_all_scenarios, 2, str(tmp_path), timeout=240)
+    launch(_all_scenarios, 2, str(tmp_path), timeout=420)
