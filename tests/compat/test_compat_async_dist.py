@@ -46,7 +46,7 @@ from resilient_ckpt.utils import diff
 
 from ._async_common import failing_open
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(480)]
 
 
 def _state(rank: int, world: int, fill: float | None = None) -> dict[str, Any]:
@@ -349,7 +349,7 @@ def _abort_then_delete(rank: int, world: int, root: str, queues: dict) -> None:
 def _all_scenarios(rank: int, world: int, root: str) -> None:
     queues = {"daemon": AsyncCallsQueue(is_daemon=True), "plain": AsyncCallsQueue(is_daemon=False)}
     for queue in queues.values():  # boot both workers at once, not one per first save
-        queue._get_async_caller().start(wait_ready=False)
+        queue._get_async_caller()._start_worker(rank)
     scenarios = (
         _async_equals_sync,
         _invalid_setup_and_errors,
@@ -371,4 +371,4 @@ def _all_scenarios(rank: int, world: int, root: str) -> None:
 
 
 def test_nvrx_async_writer_behaviours_on_two_ranks(tmp_path) -> None:
-    launch(_all_scenarios, 2, str(tmp_path), timeout=240)
+    launch(_all_scenarios, 2, str(tmp_path), timeout=420)

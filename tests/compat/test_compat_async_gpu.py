@@ -52,7 +52,9 @@ def test_cuda_source_released_before_the_filesystem_write(tmp_path, is_daemon) -
     checkpoint_dir = tmp_path / "checkpoint"
     finalized = False
     try:
-        queue._get_async_caller().start()  # warm, so its start-up is not measured
+        caller = queue._get_async_caller()
+        caller._start_worker(0)  # warm, so its start-up is not measured
+        caller.start()  # and wait for its handshake
         gc.collect()
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()

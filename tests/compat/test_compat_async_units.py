@@ -109,7 +109,7 @@ def test_blocking_finalize_is_bounded_by_finalize_timeout(tmp_path) -> None:
         started = time.monotonic()
         done = caller.is_current_async_call_done(blocking=True, no_dist=True, finalize_timeout=0.3)
         assert done is False
-        assert 0.3 <= time.monotonic() - started < 10.0
+        assert 0.3 <= time.monotonic() - started < 30.0  # bounded, not hung
         # Without finalize_timeout a blocking wait past the deadline still raises.
         with pytest.raises(CheckpointTimeoutError, match="still running"):
             caller.is_current_async_call_done(blocking=True, no_dist=True)

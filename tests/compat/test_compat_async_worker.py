@@ -31,7 +31,7 @@ from ._async_common import (
     write_marker,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -84,6 +84,10 @@ class WorkerLifecycle:
         if wait_ready:
             self._handshake()
 
+    def _start_worker(self, rank: int) -> None:
+        """NVRx name: start the worker for ``rank`` without waiting for its handshake."""
+        self.start(rank=rank, wait_ready=False)
+
     def _handshake(self) -> None:
         if self._ready:
             return
