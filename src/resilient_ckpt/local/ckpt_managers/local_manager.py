@@ -11,6 +11,10 @@ the dirty file to its final name and fsyncs the directory (the rename is the com
 without its final name does not exist for readers). ``sync_files=False`` skips the fsyncs
 (faster, not crash-durable).
 
+Files that NVRx wrote in the same layout (``iter_..._local.pt`` without a manifest) are read
+too, so a job that switches keeps its progress; how such a file is judged complete without
+a manifest is explained in :mod:`resilient_ckpt.local._nvrx_format`.
+
 Retention keeps the newest ``keep_latest`` committed iterations of this rank's directory
 (default 1, as NVRx) and deletes older ones only after a newer one is committed.
 """
