@@ -19,10 +19,10 @@ from .._logging import get_logger
 from ..config import Timeouts
 from ..errors import CheckpointTimeoutError, WorkerDiedError
 from . import _worker
+from ._arena import ArenaPool
 from ._callers import LocalStatus, exit_description
 from ._completion import State
 from ._messages import Channel, Hello
-from ._staging import ArenaPool
 
 logger = get_logger(__name__)
 

@@ -22,13 +22,14 @@ from ..errors import (
     CheckpointTimeoutError,
     WorkerDiedError,
 )
+from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
 from ._copy import check_copy_threads, warm_threads
 from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
-from ._staging import Arena, ArenaPool, StagedRequest, stage, tensor_nbytes
+from ._staging import StagedRequest, stage, tensor_nbytes
 
 logger = get_logger(__name__)
 

@@ -6,12 +6,16 @@ and partials too) into an *arena*: one ``memfd`` shared-memory region mapped by 
 trainer and its worker. When ``schedule_async_request`` returns, the checkpoint content is
 fixed; training may change its tensors at once.
 
-How: the request is pickled once with a :class:`pickle.Pickler` whose ``persistent_id``
-replaces each strided CPU or CUDA tensor with a small descriptor (slot, dtype, size,
-stride, offset). Tensors are grouped by *storage*, so views and tied weights stay shared
-exactly as ``torch.save`` would see them. The slots are then laid out in the arena and
-filled with one ``copy_`` each (device-to-host for CUDA). In the worker an unpickler turns
-each descriptor back into a tensor whose storage is exactly its slot of the arena.
+How: the request is pickled once with a :class:`pickle.Pickler` whose ``dispatch_table``
+maps ``torch.Tensor`` and ``Parameter`` to a reducer that replaces each strided CPU or CUDA
+tensor by a small descriptor (slot, dtype, size, stride, offset). The table is looked up by
+the C pickler only for objects of those types, so the cost is one Python call per tensor,
+not one per pickled object (a ``persistent_id`` method is called for every object: ~75 per
+DCP write item). Tensors are grouped by *storage*, so views and tied weights stay shared
+exactly as ``torch.save`` would see them. The slots are laid out in the arena and filled
+by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for CUDA), synchronously
+or, in overlapped mode, in the background until ``wait_for_snapshot``. In the worker,
+unpickling rebuilds each descriptor as a tensor whose storage is exactly its slot.
 
 Alternatives rejected:
 
@@ -19,11 +23,14 @@ Alternatives rejected:
   (``share_memory_``): the trainer's own tensors would alias the checkpoint, and each save
   would make new segments.
 * ``multiprocessing.shared_memory`` leaves named files in ``/dev/shm`` when a process is
-  killed and registers with a resource tracker. A ``memfd`` has no name and disappears when
-  the last process holding it exits, so a SIGKILL leaves nothing behind.
+  killed (see :mod:`._arena`).
+* Caching the pickled request across saves: its non-tensor part changes every save (paths,
+  tokens), and for a dict of tensors the pickle is already as cheap as reading each
+  tensor's layout. What is expensive and stable, the DCP write items, is cached per plan
+  where the plan is (:mod:`._dcp_buckets`).
 
-Arenas are kept in a small pool and reused for every save whose bytes fit, so in steady
-state no segment is created per save and host memory does not grow.
+Arenas are kept in a pool (:mod:`._arena`) and reused for every save whose bytes fit, so in
+steady state no segment is created per save and host memory does not grow.
 """
 
 from __future__ import annotations
@@ -31,9 +38,6 @@ from __future__ import annotations
 import copyreg
 import importlib
 import io
-import itertools
-import mmap
-import os
 import pickle
 import threading
 import types
@@ -44,93 +48,18 @@ from typing import Any
 import torch
 
 from .._logging import get_logger
-from ..errors import CheckpointTimeoutError, InvalidRequestError, StagingError
+from ..errors import InvalidRequestError, StagingError
+from ._arena import Arena, ArenaPool
 from ._copy import CopyJob, start_copy
 from ._messages import Slot
 
 logger = get_logger(__name__)
 
 _ALIGN = 64
-_arena_ids = itertools.count(1)
 
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-class Arena:
-    """One anonymous shared-memory region (a memfd), mapped read-write."""
-
-    def __init__(
-        self,
-        nbytes: int,
-        *,
-        arena_id: int | None = None,
-        fd: int | None = None,
-        populate: bool = True,
-    ) -> None:
-        self.arena_id = arena_id if arena_id is not None else next(_arena_ids)
-        self.nbytes = max(int(nbytes), _ALIGN)
-        owns_fd = fd is None
-        if fd is None:
-            fd = os.memfd_create(f"resilient_ckpt_arena_{self.arena_id}", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, self.nbytes)
-            except OSError:
-                os.close(fd)
-                raise
-        self.fd = fd
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        try:
-            self._mm: mmap.mmap | None = mmap.mmap(fd, self.nbytes, flags=flags)
-        except OSError:
-            if owns_fd:
-                os.close(fd)
-            raise
-        self.pinned = False
-        # One long-lived view gives the base address for memmove (and keeps the export).
-        self._base: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self.address = self._base.data_ptr()
-
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor whose storage is exactly ``[offset, offset+nbytes)``."""
-        if self._mm is None:
-            raise StagingError(f"arena {self.arena_id} is closed")
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
-
-    def pin(self) -> None:
-        """Page-lock the arena for fast asynchronous device-to-host copies (CUDA only)."""
-        if self.pinned or not torch.cuda.is_available():
-            return
-        base = self.view(0, self.nbytes)
-        err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), self.nbytes, 0)
-        self.pinned = int(err) == 0
-        if not self.pinned:
-            logger.warning(
-                "could not pin staging arena (%d bytes): cuda error %s", self.nbytes, err
-            )
-
-    def close(self) -> None:
-        if self._mm is None:
-            return
-        if self.pinned:
-            base = self.view(0, self.nbytes)
-            torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
-            del base
-            self.pinned = False
-        self._base = None
-        try:
-            self._mm.close()
-        except BufferError:
-            # A tensor still views the mapping; it is unmapped when that tensor dies.
-            logger.debug("arena %d still referenced at close", self.arena_id)
-        self._mm = None
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
 
 
 @dataclass
@@ -306,85 +235,6 @@ def unstage(payload: bytes, arena: Arena | None, slots: tuple[Slot, ...]) -> Any
         return pickle.loads(payload)
     finally:
         _unstaging.arena, _unstaging.slots, _unstaging.storages = None, (), None
-
-
-class ArenaPool:
-    """At most ``max_arenas`` arenas; a free one that fits is reused, else one is made.
-
-    ``acquire`` waits (through ``wait_for_release``) when every arena is busy, so host
-    memory stays bounded by ``max_arenas`` times the largest staged state.
-    """
-
-    def __init__(self, max_arenas: int = 2) -> None:
-        if max_arenas < 1:
-            raise InvalidRequestError(f"max_arenas must be >= 1, got {max_arenas}")
-        self.max_arenas = max_arenas
-        self.free: list[Arena] = []
-        self.busy: dict[int, Arena] = {}
-        self.created = 0
-        self.replaced = 0
-        self._lock = threading.Lock()
-
-    def acquire(self, nbytes: int, wait_for_release: Callable[[], bool]) -> Arena:
-        while True:
-            with self._lock:
-                fitting = [a for a in self.free if a.nbytes >= nbytes]
-                if fitting:
-                    arena = min(fitting, key=lambda a: a.nbytes)
-                    self.free.remove(arena)
-                    self.busy[arena.arena_id] = arena
-                    return arena
-                # Every idle arena is too small for this state (its structure grew): replace
-                # them rather than keep memory that no save of this size can use.
-                for small in self.free:
-                    small.close()
-                    self.replaced += 1
-                self.free.clear()
-                if len(self.free) + len(self.busy) < self.max_arenas:
-                    arena = self._create(nbytes)
-                    self.busy[arena.arena_id] = arena
-                    return arena
-            if not wait_for_release():
-                raise CheckpointTimeoutError(
-                    f"all {self.max_arenas} staging arenas stayed busy past the deadline; "
-                    "earlier requests are still being written"
-                )
-
-    def _create(self, nbytes: int) -> Arena:
-        try:
-            arena = Arena(nbytes)
-        except OSError as exc:
-            raise StagingError(
-                f"could not allocate {nbytes} bytes of shared staging memory: {exc}"
-            ) from exc
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            arena.pin()
-        self.created += 1
-        logger.debug("created staging arena %d (%d bytes)", arena.arena_id, arena.nbytes)
-        return arena
-
-    def live_ids(self) -> set[int]:
-        """Ids of the arenas that exist (free or busy); others were closed or replaced."""
-        with self._lock:
-            return {a.arena_id for a in self.free} | set(self.busy)
-
-    def release(self, arena_id: int) -> None:
-        with self._lock:
-            arena = self.busy.pop(arena_id, None)
-            if arena is not None:
-                self.free.append(arena)
-
-    def release_all(self) -> None:
-        with self._lock:
-            self.free.extend(self.busy.values())
-            self.busy.clear()
-
-    def close(self) -> None:
-        with self._lock:
-            for arena in [*self.free, *self.busy.values()]:
-                arena.close()
-            self.free.clear()
-            self.busy.clear()
 
 
 def stage(

@@ -35,6 +35,7 @@ import mmap
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -298,6 +299,8 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             samples[key] = worst.tolist()
         out[shape] = {k: statistics.median(v) for k, v in samples.items()}
+        if rank == 0 and len(cfg.shapes) > 1:  # progress: this shape's rows now
+            report({shape: out[shape]}, world)
     return out
 
 
@@ -306,7 +309,9 @@ def _ms(seconds: float) -> str:
 
 
 def report(results: dict[str, dict[str, float]], ranks: int) -> None:
-    print(f"\nStall per save at {ranks} ranks (ms; median over reps of the slowest rank)")
+    print(
+        f"\nStall per save at {ranks} ranks (ms; median over reps of the slowest rank)", flush=True
+    )
     head = f"{'state/rank':<10} {'flow':<22} {'stall':>8} {'memcpy':>8} {'x memcpy':>8}"
     print(head + f" {'target':>13} {'dcp.async':>9} {'x dcp':>6}")
     for shape, fig in results.items():
@@ -339,6 +344,7 @@ def report(results: dict[str, dict[str, float]], ranks: int) -> None:
                 f"{fig['memory|rss_growth'] * 100:.2f} % (target < 1 %), new staging memfds "
                 f"after the first save: {int(fig['memory|new_memfds'])} (target 0)"
             )
+    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = launch(_rank_main, args.ranks, cfg, timeout=3600)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    print("\n== all shapes ==")
     report(per_rank[0], args.ranks)
     return 0
 
