@@ -66,15 +66,8 @@ from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
 from ..storage.commit import RecordCommit
 from ._dcp_buckets import build_buckets, host_buckets
-from ._dcp_write import (
-    FileRecord,
-    WriteBucket,
-    WriteJob,
-    discard_report,
-    load_report,
-    run_write_job,
-    write_file,
-)
+from ._dcp_run import discard_report, load_report, run_write_job
+from ._dcp_write import FileRecord, WriteBucket, WriteJob, write_file
 from ._writer_checks import check_flag, check_open_file, check_writer_options, checkpoint_dir_of
 from ._writer_results import (
     FILE_TABLE_ATTR,  # noqa: F401 (imported from here)
