@@ -31,15 +31,22 @@ def temp_name(path: str) -> str:
 
 
 @contextmanager
-def atomic_file(path: str, *, sync: bool = True, sync_dir: bool = True) -> Iterator[IO[bytes]]:
+def atomic_file(
+    path: str,
+    *,
+    sync: bool = True,
+    sync_dir: bool = True,
+    opener: Callable[[str, str], IO[bytes]] = open,
+) -> Iterator[IO[bytes]]:
     """A binary file whose content replaces ``path`` atomically when the block exits cleanly.
 
     On an exception the temporary file is removed and ``path`` is left as it was.
     ``sync=False`` skips every fsync; ``sync_dir=False`` skips only the directory's.
+    ``opener(temporary_path, "wb")`` opens the file (NVRx's ``open_file`` hook).
     """
     tmp = temp_name(path)
     try:
-        with open(tmp, "wb") as f:
+        with opener(tmp, "wb") as f:
             yield f
             f.flush()
             if sync:

@@ -154,7 +154,17 @@ class AsyncCallsQueue:
         caller.schedule_async_call(frozen._replace(call_idx=call_idx, finalize_fns=[]))
         self.call_idx = call_idx
         self.timings[call_idx] = {"stall": time.perf_counter() - started}
-        self.async_calls.append(_ActiveAsyncRequest(call_idx, caller, frozen))
+        # Ownership of what the write reads ends here: the caller holds its snapshot (or,
+        # for a fork, the execution itself), so the trainer's tensors are not kept alive
+        # until finalize by this queue. Only the finalize functions stay.
+        active = frozen._replace(
+            call_idx=call_idx,
+            async_fn=None,
+            async_fn_args=(),
+            async_fn_kwargs=None,
+            preload_fn=None,
+        )
+        self.async_calls.append(_ActiveAsyncRequest(call_idx, caller, active))
         return call_idx
 
     def maybe_finalize_async_calls(

@@ -38,12 +38,15 @@ import functools
 import os
 import pickle
 import tempfile
+import traceback
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import WRAPPED_EXCEPTION, _wrap_exception
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -52,7 +55,14 @@ from torch.futures import Future
 
 from .._logging import get_logger
 from ..config import RetryPolicy
-from ..errors import CheckpointExistsError, CheckpointWriteError, ConfigurationError, StorageError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+    ConfigurationError,
+    FrozenRequestError,
+    RemoteExceptionError,
+    StorageError,
+)
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
 from ._dcp_write import (
@@ -89,6 +99,59 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
     return _results_queue
 
 
+def _wrap_exception_for_gather(exc: BaseException) -> WRAPPED_EXCEPTION:
+    """``(exception, stack summary)`` as torch's ``_wrap_exception`` makes it, made safe to
+    pickle, because ``gather_object`` pickles it on the failing rank: a pickling error
+    there would leave the other ranks waiting in the gather instead of reporting the
+    failure (NVRx name).
+
+    Frames lose their code objects (Python 3.13+ keeps one per frame); an exception that
+    still does not pickle (a lock, a socket, a lambda among its attributes) is replaced by
+    a :class:`~resilient_ckpt.errors.RemoteExceptionError` carrying its type, message and
+    traceback text.
+    """
+    wrapped, stack = _wrap_exception(exc)
+    for frame in stack:
+        if getattr(frame, "_code", None) is not None:
+            object.__setattr__(frame, "_code", None)
+    try:
+        pickle.dumps(stack)
+    except Exception:
+        stack = traceback.StackSummary.from_list(
+            [(f.filename, f.lineno or 0, f.name, f.line) for f in stack]
+        )
+    try:
+        pickle.loads(pickle.dumps(wrapped))
+    except Exception as why:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        wrapped = RemoteExceptionError(
+            f"{type(exc).__module__}.{type(exc).__qualname__}: {exc} (not picklable: {why!r})",
+            exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            traceback_text=text,
+        )
+    return wrapped, stack
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"FileSystemWriterAsync({name}=...) must be a bool, got {value!r}")
+    return value
+
+
+def _check_open_file(open_file: Any, use_msc: bool, checkpoint_dir: str) -> Callable[..., Any]:
+    if not callable(open_file):
+        raise ConfigurationError(
+            f"FileSystemWriterAsync(open_file=...) must be callable like open(path, mode), "
+            f"got {open_file!r}"
+        )
+    if open_file is not open and (use_msc or is_msc_url(checkpoint_dir)):
+        raise ConfigurationError(
+            "FileSystemWriterAsync(open_file=...) applies to local paths only; with msc the "
+            "multi-storage-client opens the objects (drop open_file or use_msc)"
+        )
+    return open_file
+
+
 def _checkpoint_dir(path: Any) -> str:
     if isinstance(path, (str, os.PathLike)):
         return os.fspath(path) if not isinstance(path, str) else path
@@ -115,8 +178,18 @@ class FileSystemWriterAsync(FileSystemWriter):
     Args:
         path: checkpoint directory (or ``msc://profile/path``).
         separation_hint: keys starting with it are written to separate files.
-        use_msc: use the multi-storage-client backend (requires an ``msc://`` path; any
-            ``msc://`` path uses it anyway).
+        use_msc: write through the multi-storage-client backend: an ``msc://`` path (which
+            uses it anyway), or a plain path served by MSC's POSIX provider.
+        is_multiproc_io: write the data files with child processes of the background
+            worker instead of threads (a daemon worker cannot have children: use
+            ``AsyncCallsQueue(is_daemon=False)``; otherwise the save fails, naming this).
+        use_cached_data_structure, use_cpu_shm_for_gpu_tensors: NVRx's staging switches,
+            accepted for compatibility. Our staging already does what they ask for every
+            save: tensors (CUDA ones included) are copied by the trainer into host shared
+            memory that is allocated once and reused while the structure is unchanged.
+        open_file: the function that opens each data file for writing (called as
+            ``open_file(path, "wb")``; default: the built-in ``open``). It travels to the
+            background worker, so it must be picklable. Local paths only.
         retry_policy: retries of object-store operations (default: from the environment,
             see :mod:`resilient_ckpt.config`).
         *args, **kwargs: ``FileSystemWriter``'s (``single_file_per_rank``, ``sync_files``,
@@ -125,16 +198,34 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     can_run_decentralized_global_plan: bool = True
 
+    # NVRx's class-level staging caches, kept because NVRx users and tests clear them
+    # between runs. Our staging keeps no per-class state (its shared-memory arenas belong
+    # to each queue's caller), so they stay empty; cleanup_tensor_caches() clears them.
+    _cached_identifiers: ClassVar[set[str]] = set()
+    _cached_tensor_data_ptrs: ClassVar[dict[str, tuple]] = {}
+    _shm_tensor_cache: ClassVar[dict[str, tuple[list, list]]] = {}
+
     def __init__(
         self,
         path: str | os.PathLike,
         *args: Any,
         separation_hint: str | None = None,
         use_msc: bool = False,
+        is_multiproc_io: bool = False,
+        use_cached_data_structure: bool = False,
+        use_cpu_shm_for_gpu_tensors: bool = False,
         retry_policy: RetryPolicy | None = None,
         **kwargs: Any,
     ) -> None:
         checkpoint_dir = _checkpoint_dir(path)
+        self.open_file = _check_open_file(kwargs.pop("open_file", open), use_msc, checkpoint_dir)
+        self.is_multiproc_io = _check_flag("is_multiproc_io", is_multiproc_io)
+        self.use_cached_data_structure = _check_flag(
+            "use_cached_data_structure", use_cached_data_structure
+        )
+        self.use_cpu_shm_for_gpu_tensors = _check_flag(
+            "use_cpu_shm_for_gpu_tensors", use_cpu_shm_for_gpu_tensors
+        )
         self.retry_policy = retry_policy
         self._backend = get_backend(checkpoint_dir, use_msc=use_msc, retry=retry_policy)
         super().__init__(checkpoint_dir, *args, **kwargs)
@@ -149,6 +240,24 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.results_queue: Any = None
         self.written_files: dict[str, tuple[int, int]] = {}
         self._job: WriteJob | None = None
+        self._expected_files: list[str] | None = None
+
+    @property
+    def is_multi_proc_io(self) -> bool:
+        """NVRx's attribute name for ``is_multiproc_io``."""
+        return self.is_multiproc_io
+
+    @property
+    def has_data_to_write(self) -> bool:
+        """Whether this rank's prepared save writes any file (NVRx name)."""
+        return bool(self._expected_files)
+
+    @classmethod
+    def cleanup_tensor_caches(cls) -> None:
+        """Clear NVRx's class-level staging caches (see the class attributes)."""
+        cls._cached_identifiers.clear()
+        cls._cached_tensor_data_ptrs.clear()
+        cls._shm_tensor_cache.clear()
 
     def _validate_options(self, checkpoint_dir: str) -> None:
         if not isinstance(self.thread_count, int) or self.thread_count < 1:
@@ -241,19 +350,35 @@ class FileSystemWriterAsync(FileSystemWriter):
             thread_count=self.thread_count,
             transforms=getattr(self, "transforms", None),
             retry=self.retry_policy,
+            open_file=None if self.open_file is open else self.open_file,
+            multiproc_io=self.is_multiproc_io,
         )
+        self._expected_files = [name for _, name, _ in self.write_buckets]
         self.written_files = {}
         self.results_queue = None
 
-    def get_save_function_and_args(self) -> tuple[Any, Any, tuple]:
-        """``(save_fn, preload_fn, args)``, or ``(None, None, ())`` when this rank writes
+    def get_save_function_and_args(self) -> tuple[Any, Any, list]:
+        """``(save_fn, preload_fn, args)``, or ``(None, None, [])`` when this rank writes
         nothing. ``preload_fn()`` returns the buckets with tensors on the host; its result
-        replaces ``args[1]``."""
-        if not self.write_buckets or self._job is None:
-            return None, None, ()
+        replaces ``args[1]``.
+
+        The write payload (the buckets, which reference the trainer's tensors) is handed
+        over: the writer keeps only the file names it needs to check the results, so once
+        the request is staged nothing here keeps training memory alive. A second call for
+        the same prepared save raises; ``prepare_write_data`` prepares the next one.
+        """
+        if not self._expected_files or self._job is None:
+            return None, None, []
+        if self.write_buckets is None:
+            raise FrozenRequestError(
+                f"the write payload of this save to {self.checkpoint_dir!r} has already been "
+                "transferred (get_save_function_and_args was called before); call "
+                "prepare_write_data (or plan again) to prepare another save"
+            )
+        buckets, self.write_buckets = self.write_buckets, None
         save_fn = functools.partial(type(self).write_preloaded_data_multithread, self._job)
-        preload_fn = functools.partial(type(self).preload_tensors, self.write_buckets, True)
-        return save_fn, preload_fn, (self._job.rank, self.write_buckets)
+        preload_fn = functools.partial(type(self).preload_tensors, buckets, True)
+        return save_fn, preload_fn, [self._job.rank, buckets]
 
     @staticmethod
     def preload_tensors(
@@ -302,22 +427,22 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     def retrieve_write_results(self) -> list[WriteResult]:
         """This rank's write results; raises ``CheckpointWriteError`` if the write failed."""
-        if self.write_buckets is None:
+        if self._expected_files is None:
             raise CheckpointWriteError(
                 "retrieve_write_results before prepare_write_data: nothing was planned",
                 rank=self._rank(),
             )
-        if not self.write_buckets or self._job is None:
+        if not self._expected_files or self._job is None:
             return []
         report = load_report(self._job)
         if report.failure is not None:
             raise CheckpointWriteError(
-                f"rank {report.rank}: writing checkpoint files in {self.checkpoint_dir!r} "
-                f"failed in the background:\n{report.failure}",
+                f"Worker failure on rank {report.rank}: writing checkpoint files in "
+                f"{self.checkpoint_dir!r} failed in the background:\n{report.failure}",
                 rank=report.rank,
                 path=self.checkpoint_dir,
             )
-        expected = {name for _, name, _ in self.write_buckets}
+        expected = set(self._expected_files)
         written = {record.name for record in report.files}
         if written != expected:
             raise CheckpointWriteError(
@@ -364,6 +489,7 @@ class FileSystemWriterAsync(FileSystemWriter):
                 self.checkpoint_dir, use_msc=self.use_msc, retry=self.retry_policy
             )
         self.write_buckets = None
+        self._expected_files = None
         self.written_files = {}
         self._job = None
 

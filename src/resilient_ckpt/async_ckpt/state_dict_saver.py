@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import _is_wrapped_exception
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -41,6 +42,7 @@ from .._logging import get_logger
 from ..errors import InvalidRequestError
 from ._planning import Planning, agree, check_writer, is_decentralized, plan_matches_loaded
 from ._structure import check_state_dict
+from .filesystem_async import _wrap_exception_for_gather
 
 logger = get_logger(__name__)
 
@@ -304,8 +306,16 @@ def save_state_dict_async_finalize(
     """
     started = time.perf_counter()
 
-    def collect() -> _RankOutcome:
-        results = storage_writer.retrieve_write_results()
+    def collect() -> Any:
+        # A failure travels as a pickle-safe wrapped exception (an unpicklable one would
+        # break the gather on this rank and leave the others waiting in it). NVRx-style
+        # writers may also return the wrapped failure instead of raising it.
+        try:
+            results = storage_writer.retrieve_write_results()
+        except Exception as exc:
+            return _wrap_exception_for_gather(exc)
+        if _is_wrapped_exception(results):
+            return results
         return _RankOutcome(results, dict(getattr(storage_writer, "written_files", {}) or {}))
 
     def commit(outcomes: list[_RankOutcome]) -> None:

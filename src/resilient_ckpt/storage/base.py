@@ -142,10 +142,9 @@ def get_backend(
 def _select_backend(path: str, use_msc: bool, retry: RetryPolicy | None) -> StorageBackend:
     path = str(path)
     if path.startswith("msc://") or use_msc:
-        if not path.startswith("msc://"):
+        if not path.startswith("msc://") and is_url(path):
             raise ConfigurationError(
-                f"use_msc=True needs an msc://<profile>/<path> URL, got {path!r}: write the "
-                "path as msc://<profile>/<key> with a profile from your MSC config (MSC_CONFIG)"
+                f"use_msc=True takes an msc://<profile>/<path> URL or a local path, got {path!r}"
             )
         from .msc import MscBackend  # optional client library: imported on first use
 
