@@ -46,7 +46,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def __init__(
         self,
         is_daemon: bool = True,
-        cpu_priority: int = 10,
+        cpu_priority: int | None = 10,
         io_priority: int | None = None,
         sigterm_timeout: float = 30.0,
         cpu_shm_mode: bool = False,

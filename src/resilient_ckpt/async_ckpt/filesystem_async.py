@@ -384,7 +384,12 @@ class FileSystemWriterAsync(FileSystemWriter):
     def preload_tensors(
         write_buckets: list[WriteBucket], non_blocking: bool = True
     ) -> list[WriteBucket]:
-        """The buckets with every tensor on the host (device tensors copied; CPU ones as is)."""
+        """The buckets with every tensor on the host, none aliasing memory that another
+        process can change: device tensors are copied; CPU tensors in shared memory
+        (``share_memory_()``, as multiprocessing queues leave them) are cloned, since the
+        trainer may still write to them (a fork shares such pages instead of copying them on
+        write); private CPU tensors, our staged snapshots included, are passed as they are.
+        """
         moved_from_device = False
         result: list[WriteBucket] = []
         for path, name, (bytes_data, tensor_data) in write_buckets:
@@ -393,6 +398,8 @@ class FileSystemWriterAsync(FileSystemWriter):
                 if tensor.device.type != "cpu":
                     moved_from_device = True
                     tensor = tensor.to("cpu", non_blocking=non_blocking)
+                elif tensor.is_shared():
+                    tensor = tensor.detach().clone()
                 host.append((item, tensor))
             result.append((path, name, (bytes_data, host)))
         if moved_from_device and non_blocking and torch.cuda.is_available():

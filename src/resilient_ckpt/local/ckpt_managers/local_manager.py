@@ -292,3 +292,9 @@ class LocalCheckpointManager(BaseCheckpointManager):
 
     def _discard(self, iterations: Sequence[int]) -> None:
         self._delete_iterations(set(iterations), "incomplete iteration")
+
+    def _local_ckpt_path_from_id(self, ckpt_id: CkptID) -> Path:
+        """Path of the committed data file of ``ckpt_id`` = ``(iteration, owner, session)``
+        in this rank's directory (NVRx name; its tests and tools locate files with it)."""
+        iteration, owner, _session = ckpt_id
+        return self.local_ckpt_dir / file_name(iteration, owner, DATA)
