@@ -30,7 +30,6 @@ of the save.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 from typing import Any
@@ -40,6 +39,15 @@ import torch
 
 from resilient_ckpt.config import NVRX_ALIAS_ENV
 from resilient_ckpt.testing.launcher import launch
+
+from ._megatron_state import (
+    change_in_place,
+    check_loaded,
+    full_tensors,
+    load_template,
+    local_tensors,
+    sharded_state,
+)
 
 pytestmark = [
     pytest.mark.dist,
@@ -51,75 +59,16 @@ pytestmark = [
 ]
 
 
-def _full_tensors() -> dict[str, torch.Tensor]:
-    """The global tensors, identical on every rank (same seed)."""
-    g = torch.Generator().manual_seed(20261123)
-    return {
-        "decoder.weight": torch.randn(8, 6, generator=g),
-        "decoder.bias": torch.randn(4, 10, generator=g).to(torch.bfloat16),
-        "counts": torch.randint(-(2**40), 2**40, (6,), generator=g),
-        "norm": torch.randn(3, 3, generator=g, dtype=torch.float64),
-    }
-
-
-def _sharded_state(rank: int, world: int, full: dict[str, torch.Tensor]) -> dict[str, Any]:
-    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-
-    def shard(key: str, axis: int) -> ShardedTensor:
-        local = full[key].chunk(world, axis)[rank].contiguous().clone()
-        return ShardedTensor.from_rank_offsets(key, local, (axis, rank, world))
-
-    return {
-        "decoder": {"weight": shard("decoder.weight", 0), "bias": shard("decoder.bias", 1)},
-        "counts": shard("counts", 0),
-        # replicated on every rank; Megatron saves one main replica
-        "norm": ShardedTensor.from_rank_offsets("norm", full["norm"].clone(), replica_id=rank),
-        "rng": ShardedObject(
-            "rng", {"rank": rank, "seed": 1000 + rank}, (world,), (rank,), replica_id=0
-        ),
-        # common (non-sharded) state, identical on every rank; Megatron keeps its args here
-        "iteration": 7,
-        "args": argparse.Namespace(async_save=True, async_strategy="nvrx"),
-    }
-
-
-def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-
-
-def _check_loaded(loaded: dict[str, Any], rank: int, world: int, full: dict[str, Any]) -> None:
-    expect = {
-        "decoder.weight": full["decoder.weight"].chunk(world, 0)[rank],
-        "decoder.bias": full["decoder.bias"].chunk(world, 1)[rank],
-        "counts": full["counts"].chunk(world, 0)[rank],
-        "norm": full["norm"],
-    }
-    got = {
-        "decoder.weight": loaded["decoder"]["weight"],
-        "decoder.bias": loaded["decoder"]["bias"],
-        "counts": loaded["counts"],
-        "norm": loaded["norm"],
-    }
-    for key, tensor in expect.items():
-        assert _bit_equal(got[key], tensor), f"rank {rank}: {key} differs after load"
-    assert loaded["rng"] == {"rank": rank, "seed": 1000 + rank}
-    assert loaded["iteration"] == 7 and loaded["args"].async_strategy == "nvrx"
-
-
 def _save_async(queue: Any, state: dict[str, Any], ckpt_dir: str, strategy: Any) -> None:
     from megatron.core import dist_checkpointing
 
     os.makedirs(ckpt_dir, exist_ok=True)
+    tensors = local_tensors(state)
     request = dist_checkpointing.save(
         state, ckpt_dir, sharded_strategy=strategy, async_sharded_save=True
     )
     queue.schedule_async_request(request)
-    # The trainer goes on at once: change every tensor in place before the write is done.
-    for leaf in (state["decoder"]["weight"], state["decoder"]["bias"], state["counts"]):
-        leaf.data.add_(1)
-    state["norm"].data.mul_(-3)
+    change_in_place(tensors)  # the trainer goes on at once, before the write is done
     queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
     assert queue.get_num_unfinalized_calls() == 0
 
@@ -150,9 +99,9 @@ def _megatron_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     AsyncCallsQueue.warmup_persistent_caller(rank, cpu_priority=10, io_priority=None)
     get_write_results_queue(mp_mode="fork")
 
-    full = _full_tensors()
+    full = full_tensors()
     plain_dir = os.path.join(root, "iter_0000007")
-    _save_async(queue, _sharded_state(rank, world, full), plain_dir, None)
+    _save_async(queue, sharded_state(rank, world, full), plain_dir, None)
 
     # Megatron's default for training: fully parallel save with cached metadata, twice (the
     # second save reuses the cached plan).
@@ -161,7 +110,7 @@ def _megatron_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         do_cache_distribution=True,
     )
     for step in (8, 9):
-        _save_async(queue, _sharded_state(rank, world, full), f"{root}/iter_{step:07d}", parallel)
+        _save_async(queue, sharded_state(rank, world, full), f"{root}/iter_{step:07d}", parallel)
     queue.close()
     return _load_all(rank, world, root, full)
 
@@ -173,14 +122,10 @@ def _load_all(rank: int, world: int, root: str, full: dict[str, Any]) -> dict[st
     )
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-    def template() -> dict[str, Any]:
-        state = _sharded_state(rank, world, {k: torch.zeros_like(v) for k, v in full.items()})
-        del state["iteration"], state["args"]  # common state comes from the checkpoint
-        return state
-
     for step in (7, 8, 9):
-        loaded = dist_checkpointing.load(template(), f"{root}/iter_{step:07d}")
-        _check_loaded(loaded, rank, world, full)
+        template = load_template(rank, world, full)
+        loaded = dist_checkpointing.load(template, f"{root}/iter_{step:07d}")
+        check_loaded(loaded, rank, world, full)
 
     # The fully parallel load's only CUDA call is torch.cuda.synchronize(); see the docstring.
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
@@ -188,8 +133,9 @@ def _load_all(rank: int, world: int, root: str, full: dict[str, Any]) -> dict[st
         TorchDistLoadShardedStrategy(cache_metadata=True), exchange_algo="gather_object"
     )
     for step in (8, 9):
-        loaded = dist_checkpointing.load(template(), f"{root}/iter_{step:07d}", fp_load)
-        _check_loaded(loaded, rank, world, full)
+        template = load_template(rank, world, full)
+        loaded = dist_checkpointing.load(template, f"{root}/iter_{step:07d}", fp_load)
+        check_loaded(loaded, rank, world, full)
     from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
         CachedMetadataFileSystemReader,
     )
