@@ -141,6 +141,14 @@ def _load_all(rank: int, world: int, root: str, full: dict[str, Any]) -> dict[st
     )
 
     cached = len(CachedMetadataFileSystemReader._metadata_cache)
+    # megatron/training/async_utils.py: reset_persistent_async_worker's clean-up calls.
+    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+
+    filesystem_async._results_queue._manager.shutdown()
+    _, reader_cls = get_async_strategy("nvrx", "CachedMetadataFileSystemReader")
+    reader_cls.clear_metadata_cache()
+    assert not CachedMetadataFileSystemReader._metadata_cache
     return {"files": sorted(os.listdir(f"{root}/iter_0000009")), "cached_metadata": cached}
 
 
