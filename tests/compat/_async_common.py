@@ -68,3 +68,17 @@ def prepared_writer(
 
 def small_state() -> dict[str, Any]:
     return {"value": torch.arange(8), "step": 3}
+
+
+def write_marker(path: str, *args: Any, label: str = "") -> None:
+    """An async_fn: records that it ran, with what (for the worker-loop tests)."""
+    with open(path, "w") as f:
+        f.write(f"{args!r} {label}")
+
+
+def failing_preload() -> Any:
+    raise RuntimeError("preload failed")
+
+
+def failing_write(*args: Any) -> None:
+    raise RuntimeError("write failed")

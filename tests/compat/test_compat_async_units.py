@@ -21,6 +21,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from resilient_ckpt.async_ckpt import filesystem_async
@@ -28,12 +31,17 @@ from resilient_ckpt.async_ckpt._callers import AsyncCaller, LocalStatus, Tempora
 from resilient_ckpt.async_ckpt._completion import State
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+from resilient_ckpt.async_ckpt.state_dict_saver import (
+    _find_layout_mismatch,
+    save_state_dict_async_finalize,
+)
 from resilient_ckpt.config import Timeouts
 from resilient_ckpt.errors import (
     CheckpointTimeoutError,
     CheckpointWriteError,
     ConfigurationError,
     RemoteExceptionError,
+    WorkerDiedError,
 )
 from resilient_ckpt.utils import preload_tensors
 
@@ -88,7 +96,7 @@ def test_wrap_exception_for_gather_replaces_an_unpicklable_exception() -> None:
 # -- finalize_timeout (test_finalize_timeout.py) -----------------------------------------------
 
 
-def _wait_then_return(gate: str, *_: Any) -> None:
+def _wait_then_return(gate: str, *_: Any, **__: Any) -> None:
     wait_for_file(gate)
 
 
@@ -158,9 +166,10 @@ class _HeldCaller(AsyncCaller):
         return []
 
 
+@pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("field", ["async_fn", "async_fn_args", "async_fn_kwargs", "preload_fn"])
-def test_queue_releases_what_the_write_reads_once_scheduled(monkeypatch, field) -> None:
-    queue = AsyncCallsQueue()
+def test_queue_releases_what_the_write_reads_once_scheduled(monkeypatch, field, persistent) -> None:
+    queue = AsyncCallsQueue(persistent=persistent)
     caller = _HeldCaller()
     monkeypatch.setattr(queue, "_get_async_caller", lambda: caller)
     finalized: list[int] = []
@@ -265,19 +274,32 @@ def test_fork_caller_keeps_staged_data_until_the_child_finishes(tmp_path) -> Non
         queue.close(abort=True)
 
 
-def test_fork_caller_without_preload_keeps_the_execution_alive(tmp_path) -> None:
+@pytest.mark.parametrize("abort", [False, True])
+@pytest.mark.parametrize("field", ["async_fn", "async_fn_args", "async_fn_kwargs"])
+def test_fork_caller_without_preload_keeps_the_execution_alive(tmp_path, field, abort) -> None:
     gate = str(tmp_path / "gate")
     queue = AsyncCallsQueue(persistent=False)
     source = torch.tensor(42)
     source_ref = weakref.ref(source)
+    request = {
+        "async_fn": AsyncRequest(functools.partial(_wait_then_return, gate, source), (), []),
+        "async_fn_args": AsyncRequest(_wait_then_return, (gate, source), []),
+        "async_fn_kwargs": AsyncRequest(_wait_then_return, (gate,), [], {"source": source}),
+    }[field]
     try:
-        queue.schedule_async_request(AsyncRequest(_wait_then_return, (gate, source), []))
-        del source
+        queue.schedule_async_request(request)
+        del source, request
         gc.collect()
         assert source_ref() is not None  # the child may still read it
         assert queue.maybe_finalize_async_calls(no_dist=True) == []
-        open(gate, "w").close()
-        assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0]
+        if abort:
+            # Ours does not finalize a killed write as a success (NVRx returns [0] here).
+            queue.async_calls[0].async_caller.close(abort=True)
+            with pytest.raises(WorkerDiedError):
+                queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        else:
+            open(gate, "w").close()
+            assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0]
         gc.collect()
         assert source_ref() is None
     finally:
@@ -294,10 +316,13 @@ def _finish(writer: FileSystemWriterAsync, metadata: Any) -> None:
     )
 
 
-def test_writer_transfers_its_payload_and_still_writes(tmp_path) -> None:
+@pytest.mark.parametrize("use_cpu_shm", [False, True])
+def test_writer_transfers_its_payload_and_still_writes(tmp_path, use_cpu_shm) -> None:
     log = tmp_path / "opened.log"
     ckpt = tmp_path / "ckpt"
-    writer, planner, metadata = prepared_writer(ckpt, small_state(), open_file=RecordingOpen(log))
+    writer, planner, metadata = prepared_writer(
+        ckpt, small_state(), open_file=RecordingOpen(log), use_cpu_shm_for_gpu_tensors=use_cpu_shm
+    )
     (_, _, (byte_data, tensor_data)) = writer.write_buckets[0]
     snapshot_ref = weakref.ref(tensor_data[0][1])
     byte_ref = weakref.ref(byte_data[0][1])
@@ -421,3 +446,92 @@ def test_our_layout_is_value_independent_and_only_bookkeeping_differs(tmp_path) 
     c = _save_ours({"blob": b"\x00" * 4096}, str(tmp_path / "c"))
     d = _save_ours({"blob": os.urandom(4096)}, str(tmp_path / "d"))
     assert c.storage_data != d.storage_data
+
+
+# -- prepared-metadata layout guard (test_metadata_reuse_validation.py) ----------------------
+
+_OPT, _WGT = "optimizer/shard_0_1", "decoder.weight/shard_0_1"
+_OPT_LEN, _WGT_LEN, _OPT_LEN_GROWN = 1645, 4096, 1709
+
+
+def _result(fqn: str, path: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(
+        index=MetadataIndex(fqn=fqn),
+        size_in_bytes=length,
+        storage_data=_StorageInfo(relative_path=path, offset=offset, length=length),
+    )
+
+
+def _prepared(entries: list[tuple[str, str, int, int]]) -> Metadata:
+    return Metadata(
+        state_dict_metadata={},
+        storage_data={
+            MetadataIndex(fqn=f): _StorageInfo(relative_path=p, offset=o, length=n)
+            for f, p, o, n in entries
+        },
+    )
+
+
+_ONE_FILE = [(_OPT, "__0_0.distcp", 0, _OPT_LEN), (_WGT, "__0_0.distcp", _OPT_LEN, _WGT_LEN)]
+
+
+def test_layout_guard_accepts_a_matching_layout() -> None:
+    written = [_result(*entry) for entry in _ONE_FILE]
+    assert _find_layout_mismatch(written, _prepared(_ONE_FILE)) is None
+
+
+def test_layout_guard_reports_a_grown_non_tensor_item_first() -> None:
+    written = [
+        _result(_OPT, "__0_0.distcp", 0, _OPT_LEN_GROWN),
+        _result(_WGT, "__0_0.distcp", _OPT_LEN_GROWN, _WGT_LEN),
+    ]
+    fqn, detail = _find_layout_mismatch(written, _prepared(_ONE_FILE))
+    assert fqn == _OPT and str(_OPT_LEN) in detail and str(_OPT_LEN_GROWN) in detail
+
+
+def test_layout_guard_reports_a_shifted_offset() -> None:
+    written = [
+        _result(_OPT, "__0_0.distcp", 0, _OPT_LEN),
+        _result(_WGT, "__0_0.distcp", _OPT_LEN_GROWN, _WGT_LEN),
+    ]
+    assert _find_layout_mismatch(written, _prepared(_ONE_FILE))[0] == _WGT
+
+
+def test_layout_guard_reports_an_item_missing_from_the_prepared_metadata() -> None:
+    fqn, detail = _find_layout_mismatch(
+        [_result("new.layer/shard_0_1", "__0_0.distcp", 0, 128)], _prepared(_ONE_FILE)
+    )
+    assert fqn == "new.layer/shard_0_1" and "absent" in detail
+
+
+def test_layout_guard_reports_a_removed_last_item() -> None:
+    fqn, detail = _find_layout_mismatch(
+        [_result(_OPT, "__0_0.distcp", 0, _OPT_LEN)], _prepared(_ONE_FILE)
+    )
+    assert fqn == _WGT and "not written" in detail.lower()
+
+
+def test_layout_guard_reports_an_item_moved_to_another_rank() -> None:
+    prepared = _prepared(
+        [(_OPT, "__0_0.distcp", 0, _OPT_LEN), ("moved/shard_0_1", "__0_0.distcp", _OPT_LEN, 256)]
+    )
+    written = [_result(_OPT, "__0_0.distcp", 0, _OPT_LEN)]
+    assert _find_layout_mismatch(written, prepared)[0] == "moved/shard_0_1"
+
+
+def test_layout_guard_leaves_other_ranks_files_to_them() -> None:
+    prepared = _prepared(
+        [(_OPT, "__0_0.distcp", 0, _OPT_LEN), ("peer/shard_0_1", "__1_0.distcp", 0, 512)]
+    )
+    assert _find_layout_mismatch([_result(_OPT, "__0_0.distcp", 0, _OPT_LEN)], prepared) is None
+
+
+def test_reuse_and_create_exclude_each_other(tmp_path) -> None:
+    with pytest.raises(ConfigurationError, match="exclude each other"):
+        save_state_dict_async_finalize(
+            FileSystemWriterAsync(tmp_path),
+            None,
+            _DistWrapper(None, False, 0),
+            reuse_metadata_obj=_prepared(_ONE_FILE),
+            create_metadata_path=str(tmp_path / "md"),
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import weakref
 
 import pytest
@@ -19,8 +20,16 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest, abort_nvrx_checkpoint
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+from resilient_ckpt.errors import AsyncCallFailedError
 
-from ._async_common import GatedOpen, prepared_writer, wait_for_file
+from ._async_common import (
+    GatedOpen,
+    failing_preload,
+    failing_write,
+    prepared_writer,
+    wait_for_file,
+    write_marker,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,3 +131,31 @@ def test_worker_writes_after_the_trainer_released_its_tensors(tmp_path, is_daemo
     finally:
         release.touch()
         queue.close(abort=not finalized)
+
+
+def test_worker_reports_preload_and_write_failures_and_runs_plain_requests(tmp_path) -> None:
+    """test_staging_source_lifetime.py::test_preload_failure_does_not_signal_success,
+    ::test_write_failure_does_not_signal_completion and
+    ::test_worker_without_preload_preserves_execution_arguments, on the real worker."""
+    marker = str(tmp_path / "written")
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(
+            AsyncRequest(write_marker, (marker, None), [], preload_fn=failing_preload)
+        )
+        with pytest.raises(AsyncCallFailedError, match="preload failed"):
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        assert not os.path.exists(marker)  # the write never ran
+        finalized: list[int] = []
+        queue.schedule_async_request(AsyncRequest(failing_write, (), [lambda: finalized.append(1)]))
+        with pytest.raises(AsyncCallFailedError, match="write failed"):
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        assert finalized == []  # a failed call is never finalized
+        idx = queue.schedule_async_request(
+            AsyncRequest(write_marker, (marker, 42), [], {"label": "snapshot"})
+        )
+        assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [idx]
+        with open(marker) as f:
+            assert f.read() == "(42,) snapshot"
+    finally:
+        queue.close(abort=True)

@@ -264,9 +264,15 @@ class AsyncCallsQueue:
 
 
 def abort_nvrx_checkpoint() -> None:
-    """Abort every live queue's pending checkpoints and stop their workers (NVRx name)."""
+    """Abort every live queue's pending checkpoints and stop their workers (NVRx name).
+
+    Meant for in-process restarts: the queues stay usable (unlike after their own
+    ``close()``), so finalizing one with nothing pending returns ``[]`` and the next
+    request starts a fresh worker.
+    """
     for queue in AsyncCallsQueue.get_instances():
         queue.close(abort=True)
+        queue._closed = False
     warmed = AsyncCallsQueue._warmup_persistent_caller
     if warmed is not None:
         warmed.close(abort=True)

@@ -476,6 +476,14 @@ class FileSystemWriterAsync(FileSystemWriter):
             metadata.version = version
         if file_checksums is None and len(results) == 1:
             file_checksums = self.written_files or None
+        self.publish_metadata(metadata, file_checksums)
+
+    def publish_metadata(
+        self, metadata: Metadata, file_checksums: dict[str, tuple[int, int]] | None = None
+    ) -> None:
+        """Write ``metadata`` as the commit record, atomically, with the data files'
+        checksum table (coordinator only; ``finish`` fills it in first, a finalize that
+        reuses prepared metadata publishes that as it is)."""
         if file_checksums:
             table = {"algorithm": "crc32", "files": dict(file_checksums)}
             setattr(metadata, FILE_TABLE_ATTR, table)
@@ -485,6 +493,12 @@ class FileSystemWriterAsync(FileSystemWriter):
         with self._backend.open_write(path, sync=self.sync_files) as f:
             pickle.dump(metadata, f)
         logger.info("committed checkpoint %s", self.checkpoint_dir)
+
+    def read_metadata(self) -> Metadata:
+        """The commit record of this writer's checkpoint, as written."""
+        path = self._backend.join(self.checkpoint_dir, METADATA_NAME)
+        with self._backend.open_read(path) as f:
+            return pickle.load(f)
 
     # -- identity -----------------------------------------------------------------------------
 
