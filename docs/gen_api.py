@@ -48,6 +48,7 @@ MODULES = [
     ("resilient_ckpt.integrations.lightning", "PyTorch Lightning plugin and callback"),
     ("resilient_ckpt.config", "timeouts and settings"),
     ("resilient_ckpt.errors", "the exception hierarchy"),
+    ("resilient_ckpt.compat", "run NVRx clients (Megatron-LM, NeMo) unchanged: the alias"),
     ("resilient_ckpt.utils", "debug_time, preload_tensors, diff"),
     ("resilient_ckpt.testing.launcher", "multi-process test launcher"),
     ("resilient_ckpt.cli", "the resilient-ckpt command"),

@@ -34,6 +34,12 @@ RESILIENT_CKPT_MSC_SPOOL_DIR           where larger buffers spill (default: TMPD
 
 :func:`local_world_size` reads the launcher's ``LOCAL_WORLD_SIZE`` (ranks per node, set by
 ``torchrun``), which sizes the default replication jump of local checkpoints.
+
+``RESILIENT_CKPT_NVRX_ALIAS=1`` makes ``import nvidia_resiliency_ext.checkpointing...`` resolve
+to this package in every interpreter that starts with it set (see :mod:`resilient_ckpt.compat`).
+The ``resilient_ckpt_nvrx_alias.pth`` start-up hook only tests whether the variable is
+non-empty, so that interpreters without it never import the package; the value is parsed
+here, by :func:`nvrx_alias_requested`.
 """
 
 from __future__ import annotations
@@ -240,3 +246,27 @@ def local_world_size() -> int | None:
     if value < 1:
         raise ConfigurationError(f"LOCAL_WORLD_SIZE must be >= 1, got {value}")
     return value
+
+
+NVRX_ALIAS_ENV = _ENV_PREFIX + "NVRX_ALIAS"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def nvrx_alias_requested() -> bool:
+    """Whether ``RESILIENT_CKPT_NVRX_ALIAS`` asks for the ``nvidia_resiliency_ext`` alias."""
+    raw = os.environ.get(NVRX_ALIAS_ENV, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigurationError(
+        f"environment variable {NVRX_ALIAS_ENV}={raw!r} is not a switch: use 1 to alias "
+        f"nvidia_resiliency_ext.checkpointing to resilient_ckpt, 0 or unset for no alias"
+    )
+
+
+def request_nvrx_alias_in_children() -> None:
+    """Set ``RESILIENT_CKPT_NVRX_ALIAS=1`` so interpreters started from here alias too."""
+    os.environ[NVRX_ALIAS_ENV] = "1"
