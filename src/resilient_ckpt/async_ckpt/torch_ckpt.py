@@ -136,7 +136,8 @@ class TorchAsyncCheckpoint:
 
         With ``overlap_staging=True`` it returns before the tensors are copied (training
         may run its next forward/backward meanwhile); call :meth:`wait_for_snapshot` before
-        the tensors change.
+        the tensors change. (With ``persistent_queue=False`` the forked child snapshots the
+        state by copy-on-write at the fork, so the flag changes nothing there.)
         """
         if args:
             f, rest = args[0], args[1:]
