@@ -4,6 +4,7 @@ See :class:`TieredCheckpointManager` for the call protocol; the modules' docstri
 the decisions (layout, background writes, replication and commit, restore, reader).
 """
 
+from ._phases import TieredPhase
 from .manager import TieredCheckpointManager
 
-__all__ = ["TieredCheckpointManager"]
+__all__ = ["TieredCheckpointManager", "TieredPhase"]

@@ -49,11 +49,10 @@ from ..errors import StorageError
 from ..local.replication.group_utils import CliqueGroup
 from ..storage.posix import PosixBackend
 from ._layout import METADATA_NAME, prune_memory, remove_step
+from ._phases import PhaseHook, TieredPhase
 from ._writes import commit_metadata_bytes
 
 logger = get_logger(__name__)
-
-PhaseHook = Callable[[str, int], None]
 
 
 @dataclass
@@ -124,21 +123,21 @@ class Replicator:
         mine = self._local_outcome(save)
         outcomes = self._gather(mine)
         self._raise_if_failed(save, outcomes, "writing its memory-tier files")
-        self.on_phase("memory_written", save.step)
+        self.on_phase(TieredPhase.MEMORY_WRITTEN, save.step)
         records: list[list[FileRecord]] = [o[1] for o in outcomes]
         self._raise_if_failed(
             save,
             self._gather(self._try(self._replicate, save, records)),
             "storing its peers' replicas",
         )
-        self.on_phase("replicated", save.step)
+        self.on_phase(TieredPhase.REPLICATED, save.step)
         metadata = self._commit_record(save, records)
         self._raise_if_failed(
             save,
             self._gather(self._try(self._write_commit, save, metadata)),
             "writing the commit record",
         )
-        self.on_phase("memory_committed", save.step)
+        self.on_phase(TieredPhase.MEMORY_COMMITTED, save.step)
         logger.info(
             "memory tier: committed step %d (%d bytes own, replicas in %.3fs)",
             save.step,

@@ -75,14 +75,13 @@ from ..storage.retention import COMMIT_RECORD, prune_checkpoints
 from . import _restore
 from ._layout import memory_step_dir, purge_newer, rank_dir, remove_step, step_name
 from ._options import TieredOptions
+from ._phases import PhaseHook, TieredPhase
 from ._replicator import MemorySave, Replicator
 from ._writes import DurableCopyWriter, durable_job_of, memory_job_of, write_tiers
 
 logger = get_logger(__name__)
 
 __all__ = ["TieredCheckpointManager"]
-
-PhaseHook = Callable[[str, int], None]
 
 
 @dataclass
@@ -120,10 +119,10 @@ class TieredCheckpointManager:
         thread_count: writer threads (and data files) per rank and tier.
         durable_sync: fsync durable files (memory-tier files are never fsynced: RAM).
         timeouts: deadlines (default :func:`resilient_ckpt.config.default_timeouts`).
-        on_phase: ``fn(phase, step)`` called at ``"staged"`` (trainer, after the snapshot),
-            ``"memory_written"``, ``"replicated"``, ``"memory_committed"`` (replicator
-            thread), ``"durable_committed"`` (trainer): instrumentation and the fault kit's
-            hook (:func:`resilient_ckpt.testing.faults.kill_at_tiered_phase`).
+        on_phase: ``fn(phase, step)`` called at each :class:`~._phases.TieredPhase` of a
+            save (from the trainer or the replicator thread, as documented there):
+            instrumentation, and the fault kit's hook
+            (:func:`resilient_ckpt.testing.faults.kill_at_tiered_phase`).
     """
 
     def __init__(
@@ -206,7 +205,7 @@ class TieredCheckpointManager:
         if self.rank == 0:
             get_backend(self.durable_dir).makedirs(self.durable_dir)
 
-    def _phase(self, phase: str, step: int) -> None:
+    def _phase(self, phase: TieredPhase, step: int) -> None:
         self.on_phase(phase, step)
 
     # -- save -------------------------------------------------------------------------------
@@ -270,7 +269,7 @@ class TieredCheckpointManager:
         self._last_step = step
         self._saves_since_durable = 0 if goes_durable else self._saves_since_durable + 1
         self.timings[step] = {"plan": planned - started, "stage": staged - planned}
-        self._phase("staged", step)
+        self._phase(TieredPhase.STAGED, step)
 
     def _durable_writer(self, step: int, memory_writer: FileSystemWriterAsync) -> DurableCopyWriter:
         path = get_backend(self.durable_dir).join(self.durable_dir, step_name(step))
@@ -304,7 +303,7 @@ class TieredCheckpointManager:
                 f"failed, not committed: {exc}",
                 path=str(writer.checkpoint_dir),
             ) from exc
-        self._phase("durable_committed", step)
+        self._phase(TieredPhase.DURABLE_COMMITTED, step)
         if self.rank == 0:
             prune_checkpoints(self.durable_dir, self.options.keep_durable)
 
