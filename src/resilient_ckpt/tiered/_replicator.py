@@ -43,9 +43,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _dist
 from .._logging import get_logger
 from ..async_ckpt._dcp_write import FileRecord, WriteJob, discard_report, load_report
-from ..errors import StorageError
+from ..errors import CheckpointingException, CheckpointTimeoutError, StorageError
 from ..local.replication.group_utils import CliqueGroup
 from ..storage.posix import PosixBackend
 from ._layout import METADATA_NAME, prune_memory, remove_step
@@ -120,23 +121,16 @@ class Replicator:
 
     def _run(self, save: MemorySave) -> None:
         started = time.perf_counter()
-        mine = self._local_outcome(save)
-        outcomes = self._gather(mine)
-        self._raise_if_failed(save, outcomes, "writing its memory-tier files")
+        error, mine = self._local_outcome(save)
+        outcomes = self._agree(save, "writing the memory-tier files", error, mine)
         self.on_phase(TieredPhase.MEMORY_WRITTEN, save.step)
-        records: list[list[FileRecord]] = [o[1] for o in outcomes]
-        self._raise_if_failed(
-            save,
-            self._gather(self._try(self._replicate, save, records)),
-            "storing its peers' replicas",
-        )
+        records: list[list[FileRecord]] = [o.payload for o in outcomes]
+        self._agree(save, "storing the peers' replicas", _attempt(self._replicate, save, records))
         self.on_phase(TieredPhase.REPLICATED, save.step)
-        metadata = self._commit_record(save, records)
-        self._raise_if_failed(
-            save,
-            self._gather(self._try(self._write_commit, save, metadata)),
-            "writing the commit record",
-        )
+        metadata, error = self._commit_record(save, records)
+        if error is None:
+            error = _attempt(self._write_commit, save, metadata)
+        self._agree(save, "writing the commit record", error)
         self.on_phase(TieredPhase.MEMORY_COMMITTED, save.step)
         logger.info(
             "memory tier: committed step %d (%d bytes own, replicas in %.3fs)",
@@ -146,7 +140,25 @@ class Replicator:
         )
         prune_memory(self.memory_dir, self.rank, self.keep_memory)
 
-    def _local_outcome(self, save: MemorySave) -> tuple[str | None, list[FileRecord]]:
+    def _agree(
+        self, save: MemorySave, what: str, error: BaseException | None, payload: Any = None
+    ) -> list[_dist.Outcome]:
+        """One outcome on every rank (``_dist.agree`` on the replicator's own group); on a
+        failure anywhere, this rank removes what it wrote for the step, then raises."""
+        try:
+            return _dist.agree(
+                f"tiered save of step {save.step} ({what})",
+                error,
+                payload=payload,
+                with_payload=True,
+                group=self.world,
+                details={"step": save.step},
+            )
+        except CheckpointingException:
+            remove_step(save.step_dir)
+            raise
+
+    def _local_outcome(self, save: MemorySave) -> tuple[Exception | None, list[FileRecord]]:
         if save.job is None:
             return None, []
         path = os.path.join(save.job.checkpoint_dir, save.job.results_name)
@@ -154,51 +166,36 @@ class Replicator:
         while not os.path.exists(path):
             if save.call_finished.is_set() and not os.path.exists(path):
                 return (
-                    f"rank {self.rank}: the memory-tier write of step {save.step} left no "
-                    f"results file in {save.step_dir!r} (is the memory tier full?)",
+                    StorageError(
+                        f"rank {self.rank}: the memory-tier write of step {save.step} left no "
+                        f"results file in {save.step_dir!r} (is the memory tier full?)"
+                    ),
                     [],
                 )
             if time.monotonic() > deadline:
                 return (
-                    f"rank {self.rank}: the memory-tier write of step {save.step} did not "
-                    f"finish within {self.report_timeout:.0f}s",
+                    CheckpointTimeoutError(
+                        f"rank {self.rank}: the memory-tier write of step {save.step} did "
+                        f"not finish within {self.report_timeout:.0f}s"
+                    ),
                     [],
                 )
             time.sleep(self.poll_interval)
         try:
             report = load_report(save.job)
-        except Exception as exc:
-            return f"{type(exc).__name__}: {exc}", []
+        except CheckpointingException as exc:
+            return StorageError(str(exc)), []
         if report.failure is not None:
             last = report.failure.strip().splitlines()[-1]
-            return f"rank {self.rank}: memory-tier write of step {save.step} failed: {last}", []
+            return (
+                StorageError(
+                    f"rank {self.rank}: memory-tier write of step {save.step} to "
+                    f"{save.step_dir!r} failed: {last}"
+                ),
+                [],
+            )
         discard_report(save.job)
         return None, list(report.files)
-
-    def _gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size(self.world)
-        dist.all_gather_object(out, obj, group=self.world)
-        return out
-
-    @staticmethod
-    def _try(fn: Callable[..., Any], *args: Any) -> tuple[str | None, list[FileRecord]]:
-        try:
-            fn(*args)
-        except Exception as exc:
-            return f"{type(exc).__name__}: {exc}", []
-        return None, []
-
-    def _raise_if_failed(self, save: MemorySave, outcomes: list[Any], what: str) -> None:
-        failed = {rank: o[0] for rank, o in enumerate(outcomes) if o[0] is not None}
-        if not failed:
-            return
-        remove_step(save.step_dir)
-        lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise StorageError(
-            f"tiered save of step {save.step}: the memory tier failed on rank(s) "
-            f"{sorted(failed)} while {what} ({lines}); step {save.step} is not committed in "
-            "the memory tier, older commits are intact"
-        )
 
     def _replicate(self, save: MemorySave, records: list[list[FileRecord]]) -> None:
         clique = self.clique
@@ -225,20 +222,37 @@ class Replicator:
                 with backend.open_write(os.path.join(save.step_dir, record.name), sync=False) as f:
                     f.write(piece)
 
-    def _commit_record(self, save: MemorySave, records: list[list[FileRecord]]) -> bytes:
+    def _commit_record(
+        self, save: MemorySave, records: list[list[FileRecord]]
+    ) -> tuple[bytes, Exception | None]:
+        """The coordinator builds the commit record and every rank receives it (the
+        broadcast happens even when building failed, so no rank is left waiting)."""
         payload: list[Any] = [None]
         if self.rank == 0:
-            payload[0] = commit_metadata_bytes(save.metadata, records, save.storage_meta)
+            try:
+                payload[0] = commit_metadata_bytes(save.metadata, records, save.storage_meta)
+            except Exception as exc:
+                payload[0] = f"{type(exc).__name__}: {exc}"
         dist.broadcast_object_list(payload, src=0, group=self.world)
         if not isinstance(payload[0], bytes):
-            raise StorageError(f"step {save.step}: the coordinator sent no commit record")
-        return payload[0]
+            return b"", StorageError(
+                f"the coordinator could not build the commit record: {payload[0]}"
+            )
+        return payload[0], None
 
     @staticmethod
     def _write_commit(save: MemorySave, metadata: bytes) -> None:
         os.makedirs(save.step_dir, exist_ok=True)
         with PosixBackend().open_write(os.path.join(save.step_dir, METADATA_NAME), sync=False) as f:
             f.write(metadata)
+
+
+def _attempt(fn: Callable[..., Any], *args: Any) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _read_files(step_dir: str, records: list[FileRecord]) -> torch.Tensor:

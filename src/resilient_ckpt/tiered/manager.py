@@ -50,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .. import _dist
 from .._logging import get_logger
 from ..async_ckpt._completion import State
 from ..async_ckpt.core import AsyncCallsQueue, AsyncRequest
@@ -67,7 +68,6 @@ from ..errors import (
     ConfigurationError,
     QueueClosedError,
 )
-from ..local._agreement import agree, gather
 from ..local.replication.group_utils import CliqueGroup, parse_group_sequence
 from ..local.replication.strategies import default_replication_jump
 from ..storage import get_backend
@@ -90,6 +90,18 @@ class _Pending:
     call_idx: int
     memory: MemorySave
     durable: bool
+
+
+def _agreed(what: str, step: Callable[[], Any]) -> Any:
+    """Run ``step`` here; raise on every rank if it failed on any (``_dist.agree``)."""
+    error: Exception | None = None
+    value = None
+    try:
+        value = step()
+    except Exception as exc:
+        error = exc
+    _dist.agree(what, error)
+    return value
 
 
 def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +169,7 @@ class TieredCheckpointManager:
                 "(init_process_group), on every rank"
             )
         self.timeouts = timeouts or default_timeouts()
-        self.rank = dist.get_rank()
+        self.rank = _dist.rank()
         self.world_size = dist.get_world_size()
         self.memory_dir = self.options.memory_dir
         self.durable_dir = self.options.durable_dir
@@ -167,7 +179,7 @@ class TieredCheckpointManager:
         cliques = parse_group_sequence(jump, replication_factor, self.world_size)
         self.clique_ranks = next(c for c in cliques if self.rank in c)
         self._world_group, clique = self._make_groups(cliques)
-        agree("tiered manager set-up", self._prepare_dirs)
+        _agreed("tiered manager set-up", self._prepare_dirs)
         self._queue = AsyncCallsQueue(persistent=True, timeouts=self.timeouts)
         self._cache = CheckpointMetadataCache()
         self._replicator = Replicator(
@@ -279,7 +291,7 @@ class TieredCheckpointManager:
             sync_files=self.options.durable_sync,
             thread_count=self.options.thread_count,
         )
-        agree(
+        _agreed(
             f"preparing durable step {step}",
             lambda: writer.set_up_storage_writer(
                 self.rank == 0, rank=self.rank, use_collectives=True
@@ -389,13 +401,13 @@ class TieredCheckpointManager:
         self._check_open()
         if self._pending:
             self.maybe_finalize(blocking=True)
-        views: list[_restore.RankView] = gather(
+        views: list[_restore.RankView] = _dist.all_gather_object(
             _restore.local_view(self.memory_dir, self.durable_dir, self.rank == 0)
         )
         for candidate in _restore.candidates(views):
             started = time.perf_counter()
             try:
-                reader = agree(
+                reader = _agreed(
                     f"preparing the restore of {candidate.tier} step {candidate.step}",
                     functools.partial(self._reader, candidate),
                 )
