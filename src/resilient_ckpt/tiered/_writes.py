@@ -52,7 +52,8 @@ def write_tiers(
         except Exception as exc:
             # Could not even record the outcome (tier full): the trainer notices the missing
             # report once this call ends; the durable copy must still be written.
-            logger.error("memory tier write of rank %d left no report: %r", rank, exc)
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            logger.error("memory tier write of rank %d left no report: %s", rank, first_line)
     if durable_job is not None:
         backend = durable_job.backend()
         retargeted = [
