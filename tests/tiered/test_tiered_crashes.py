@@ -11,7 +11,8 @@ reference for that step, bit for bit), makes two saves it waits for, then crashe
   (``Action.KILL`` at a byte offset): every rank gets the error, reloads, and continues.
 
 The launch after a trainer crash must resume from at least the last step that was waited
-for, bit-exact. ``--long`` runs a soak of random trials.
+for, bit-exact; the last trial (a worker kill, or a plain resume) also checks that training
+continues bit-exact. ``--long`` runs a soak of 12 trials of all kinds.
 """
 
 from __future__ import annotations
@@ -61,14 +62,15 @@ def _run(root: str, kinds: list[tuple[int, str]]) -> None:
                 assert f["reloaded"] >= f["finalized"] and f["reloaded_exact"], f
                 assert f["continued_exact"], f
             last_finalized = facts[0]["reloaded"] + 2
-    final = launch(_jobs.crash_trial, 4, root, 0, "resume", timeout=180)
-    _check_resumed(final, last_finalized)
-    assert all(f["continued_exact"] for f in final)
+    if kinds[-1][1] != "worker":  # a worker trial resumes and continues without a crash
+        final = launch(_jobs.crash_trial, 4, root, 0, "resume", timeout=180)
+        _check_resumed(final, last_finalized)
+        assert all(f["continued_exact"] for f in final)
 
 
 @pytest.mark.timeout(600)
 def test_crashes_resume_bit_exact(tmp_path, request):
-    kinds = [(1, "trainer"), (2, "worker"), (3, "phase")]
+    kinds = [(1, "trainer"), (3, "phase"), (2, "worker")]
     if request.config.getoption("--long"):
         kinds = [(seed, ("trainer", "phase", "worker")[seed % 3]) for seed in range(1, 13)]
     _run(str(tmp_path), kinds)
