@@ -154,11 +154,26 @@ def _public_names(module: Any) -> list[str]:
     )
 
 
+def _own_classes(cls: type) -> list[type]:
+    """``cls`` and the bases it is assembled from in private modules (a class split by
+    phase into mixins documents their public methods as its own)."""
+    private = [
+        base
+        for base in cls.__mro__[1:]
+        if base.__module__.startswith("resilient_ckpt.")
+        and any(part.startswith("_") for part in base.__module__.split("."))
+    ]
+    return [cls, *private]
+
+
 def _methods(cls: type) -> list[tuple[str, Any]]:
     found = []
-    for name, obj in vars(cls).items():
-        if name.startswith("_"):
+    seen: set[str] = set()
+    members = [(n, o) for klass in _own_classes(cls) for n, o in vars(klass).items()]
+    for name, obj in members:
+        if name.startswith("_") or name in seen:
             continue
+        seen.add(name)
         if isinstance(obj, (classmethod, staticmethod)):
             obj = obj.__func__
         if isinstance(obj, property):

@@ -22,6 +22,7 @@ these names out on first use; :func:`._dist.agree` imports them only when some r
 
 from __future__ import annotations
 
+import pickle
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from .errors import (
     CheckpointingException,
     ConfigurationError,
     CorruptCheckpointError,
+    RemoteExceptionError,
     RemoteTraceback,
     StorageError,
     WorkerDiedError,
@@ -48,6 +50,7 @@ __all__ = [
     "RankWorkerDiedError",
     "error_class_for",
     "from_checkpoint_exception",
+    "wrap_for_gather",
 ]
 
 
@@ -113,6 +116,39 @@ def remote_failure(message: str, tb: str = "") -> Any:
     if tb:
         exc.__cause__ = RemoteTraceback(tb)
     return (exc, traceback.StackSummary())
+
+
+def wrap_for_gather(exc: BaseException) -> Any:
+    """``(exception, stack summary)`` as torch's ``_wrap_exception`` makes it, made safe to
+    pickle, because ``gather_object`` pickles it on the failing rank: a pickling error
+    there would leave the other ranks waiting in the gather instead of reporting the
+    failure (NVRx's ``filesystem_async._wrap_exception_for_gather``).
+
+    Frames lose their code objects (Python 3.13+ keeps one per frame); an exception that
+    still does not pickle (a lock, a socket, a lambda among its attributes) is replaced by
+    a :class:`~resilient_ckpt.errors.RemoteExceptionError` carrying its type, message and
+    traceback text.
+    """
+    wrapped, stack = _wrap_exception(exc)
+    for frame in stack:
+        if getattr(frame, "_code", None) is not None:
+            object.__setattr__(frame, "_code", None)
+    try:
+        pickle.dumps(stack)
+    except Exception:
+        stack = traceback.StackSummary.from_list(
+            [(f.filename, f.lineno or 0, f.name, f.line) for f in stack]
+        )
+    try:
+        pickle.loads(pickle.dumps(wrapped))
+    except Exception as why:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        wrapped = RemoteExceptionError(
+            f"{type(exc).__module__}.{type(exc).__qualname__}: {exc} (not picklable: {why!r})",
+            exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            traceback_text=text,
+        )
+    return wrapped, stack
 
 
 def local_failure(exc: BaseException) -> Any:

@@ -74,19 +74,20 @@ class WorkerOptions:
     """How a persistent background worker runs (NVRx's ``PersistentAsyncCaller`` arguments)."""
 
     is_daemon: bool = True
-    cpu_priority: int = 10
+    # None leaves the worker's priority alone (no nice/ionice calls), as NVRx.
+    cpu_priority: int | None = 10
     io_priority: int | None = None
     sigterm_timeout: float = 30.0
     cpu_shm_mode: bool = False
 
     def __post_init__(self) -> None:
-        if (
+        if self.cpu_priority is not None and (
             not isinstance(self.cpu_priority, int)
             or isinstance(self.cpu_priority, bool)
             or not 0 <= self.cpu_priority <= 19
         ):
             raise ConfigurationError(
-                f"cpu_priority must be a nice value 0-19, got {self.cpu_priority!r}"
+                f"cpu_priority must be None or a nice value 0-19, got {self.cpu_priority!r}"
             )
         if self.io_priority is not None and self.io_priority not in (0, 1, 2, 3):
             raise ConfigurationError(

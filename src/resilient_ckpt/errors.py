@@ -114,6 +114,23 @@ class RemoteTraceback(Exception):
         return f'\n"""\n{self.tb}"""'
 
 
+class RemoteExceptionError(CheckpointingException):
+    """Stands in for an exception that could not be pickled to travel to another rank:
+    its qualified type name, message and traceback text."""
+
+    def __init__(self, message: str, *, exc_type: str = "", traceback_text: str = "") -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
+        self.traceback_text = traceback_text
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_remote_exception, (str(self), self.exc_type, self.traceback_text)
+
+
+def _rebuild_remote_exception(message: str, exc_type: str, tb: str) -> RemoteExceptionError:
+    return RemoteExceptionError(message, exc_type=exc_type, traceback_text=tb)
+
+
 class StorageError(CheckpointingException, OSError):
     """Reading or writing checkpoint storage failed."""
 

@@ -32,9 +32,11 @@ def _all_entry_points(url: str, match: str) -> None:
         ckpt.close()
 
 
-def test_use_msc_needs_an_msc_url(tmp_path) -> None:
-    with pytest.raises(ConfigurationError, match=r"msc://<profile>/<path>.*MSC_CONFIG"):
-        FileSystemWriterAsync(str(tmp_path / "ckpt"), use_msc=True)
+def test_use_msc_takes_an_msc_url_or_a_local_path(tmp_path) -> None:
+    # A plain path goes to MSC's POSIX provider, as NVRx does (tests/compat covers the save).
+    assert FileSystemWriterAsync(str(tmp_path / "ckpt"), use_msc=True).use_msc
+    with pytest.raises(ConfigurationError, match=r"msc://<profile>/<path> URL or a local path"):
+        FileSystemWriterAsync("s3://bucket/ckpt", use_msc=True)
     with pytest.raises(ConfigurationError, match="names no profile"):
         FileSystemWriterAsync("msc:///ckpt", use_msc=True)
 

@@ -20,7 +20,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "resilient_ckpt"
 
-# Bottom up. Faces and the test kit sit side by side at the top and do not import each other.
+# Bottom up. Faces and the test kit sit side by side at the top; a face may use the kit
+# (a shipped utility), the kit never imports a face.
 BASE, STORAGE, ASYNC, LOCAL, TIERED, FACES, TESTING = (
     "base",
     "storage",
@@ -48,6 +49,8 @@ LAYER_OF = {
     "cli": FACES,
     "integrations": FACES,
     "demo": FACES,
+    # The NVRx import alias (issue 12): a face, it hands out every module by another name.
+    "compat": FACES,
     "testing": TESTING,
 }
 
@@ -67,8 +70,10 @@ def layer(module: str) -> str:
 
 def allowed(importer: str, imported: str) -> bool:
     src, dst = layer(importer), layer(imported)
-    if {src, dst} == {FACES, TESTING}:
-        return False
+    if (src, dst) == (TESTING, FACES):
+        return False  # the test kit serves the library's users, not its command line
+    if (src, dst) == (FACES, TESTING):
+        return True  # e.g. the CLI's benchmarks start ranks with the shipped launcher
     return RANK[dst] <= RANK[src]
 
 
@@ -136,7 +141,7 @@ def _fake_package(root: Path, files: dict[str, str]) -> Path:
         ("_dist.py", "from .storage import base\n", "base"),
         ("errors.py", "import resilient_ckpt.cli\n", "base"),
         ("local/manager.py", "from ..testing import launch\n", "local"),
-        ("integrations/x.py", "from ..testing import faults\n", "faces"),
+        ("testing/launcher.py", "from ..cli import main\n", "testing"),
         ("storage/base.py", "from .. import utils, _dist, async_ckpt\n", "storage"),
     ],
 )

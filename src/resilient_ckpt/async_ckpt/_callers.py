@@ -23,7 +23,7 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -103,15 +103,46 @@ class AsyncCaller(ABC):
         if call_idx in self._unfinalized:
             self._unfinalized.remove(call_idx)
 
-    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
-        """NVRx-compatible check of the oldest unfinalized call on all ranks."""
+    def is_current_async_call_done(
+        self, blocking: bool = False, no_dist: bool = False, finalize_timeout: float | None = None
+    ) -> bool:
+        """NVRx-compatible check of the oldest unfinalized call on all ranks.
+
+        ``finalize_timeout`` bounds a blocking wait: past it the call is reported as still
+        running (False) instead of raising, so a caller such as a shutdown path can go on
+        to stop the worker. Without it a blocking wait past ``timeouts.finalize`` raises.
+        """
         if not self._unfinalized:
             return True
         call_idx = self._unfinalized[0]
-        done = agree_on_call(self, call_idx, blocking, no_dist, self.timeouts)
+        timeouts = self.timeouts
+        if blocking and finalize_timeout is not None:
+            if finalize_timeout <= 0:
+                raise InvalidRequestError(
+                    f"finalize_timeout must be a positive number of seconds, got "
+                    f"{finalize_timeout!r}"
+                )
+            timeouts = replace(self.timeouts, finalize=float(finalize_timeout))
+        try:
+            done = agree_on_call(self, call_idx, blocking, no_dist, timeouts)
+        except CheckpointTimeoutError:
+            if finalize_timeout is None:
+                raise
+            logger.warning(
+                "async request %d not done within finalize_timeout=%.1fs",
+                call_idx,
+                timeouts.finalize,
+            )
+            return False
         if done:
             self.forget(call_idx)
         return done
+
+    def _debug_is_async_process_running(self) -> bool:
+        """Whether this caller's background process is alive (NVRx name, used by tests and
+        tools to check that an abort really stopped the worker)."""
+        process = getattr(self, "process", None)
+        return process is not None and process.is_alive()
 
     def sync_all_async_calls(self, is_alive: int) -> bool:
         """NVRx-compatible: True when no rank reports a live call (gloo, library group)."""
@@ -220,6 +251,10 @@ class TemporalAsyncCaller(AsyncCaller):
         self._call_idx: int | None = None
         self._status: LocalStatus | None = None
         self.preloaded_holder: Any = None
+        # What the child reads (function, arguments): kept until the child has finished,
+        # since the queue drops its own references at scheduling (pinned host memory freed
+        # under a running child would invalidate its pages).
+        self._execution: Any = None
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         self.rank = _dist.rank()
@@ -237,15 +272,10 @@ class TemporalAsyncCaller(AsyncCaller):
         ctx = mp.get_context("fork")
         reader, writer = ctx.Pipe(duplex=False)
         self.start_time = time.monotonic()
+        self._execution = (async_req.async_fn, args, dict(async_req.async_fn_kwargs or {}))
         self.process = ctx.Process(
             target=_fork_entry,
-            args=(
-                writer,
-                os.getpid(),
-                async_req.async_fn,
-                args,
-                dict(async_req.async_fn_kwargs or {}),
-            ),
+            args=(writer, os.getpid(), *self._execution),
             name=f"resilient_ckpt-fork-{self.rank}-{async_req.call_idx}",
         )
         self.process.start()
@@ -287,6 +317,7 @@ class TemporalAsyncCaller(AsyncCaller):
                 {"write": time.monotonic() - (self.start_time or time.monotonic())},
             )
         self.preloaded_holder = None
+        self._execution = None
 
     def local_status(self, call_idx: int) -> LocalStatus:
         self._settle()
@@ -316,4 +347,7 @@ class TemporalAsyncCaller(AsyncCaller):
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self.process is None or self.process.exitcode is not None:
+            self.preloaded_holder = None
+            self._execution = None
         return dropped

@@ -1,7 +1,7 @@
 """The write side of the async DCP writer: files, writer threads, checksums, the results file.
 
 What runs where. The trainer splits a rank's plan into *write buckets*, one per data file
-(``plan_files`` + the writer's resolve step); the background process (persistent worker,
+(:mod:`._dcp_buckets`); the background process (persistent worker,
 forked child, or the trainer itself for ``execute_sync``) runs :func:`run_write_job`.
 
 Decisions:
@@ -31,7 +31,7 @@ import functools
 import heapq
 import inspect
 import io
-import math
+import multiprocessing as mp
 import os
 import pickle
 import threading
@@ -39,18 +39,21 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.filesystem import _write_item
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._logging import get_logger
 from ..config import RetryPolicy
 from ..errors import CheckpointWriteError
-from ..storage import StorageBackend, get_backend
+from ..storage import PosixBackend, StorageBackend, get_backend
+from ..storage.commit import atomic_file
+from ._proc import arm_parent_death_signal
 
 logger = get_logger(__name__)
 
@@ -74,6 +77,10 @@ class WriteJob:
     thread_count: int
     transforms: Any = None
     retry: RetryPolicy | None = None
+    # NVRx's writer hooks: the function opening each data file (None: the built-in open,
+    # through the backend) and writing with child processes instead of threads.
+    open_file: Any = None
+    multiproc_io: bool = False
 
     @property
     def results_name(self) -> str:
@@ -104,66 +111,7 @@ class RankWriteReport:
     seconds: float = 0.0
 
 
-# -- planning the files (trainer) -----------------------------------------------------------
-
-
-def item_nbytes(item: WriteItem) -> int:
-    """Bytes of a tensor item's chunk (0 for byte items, whose size is unknown up front)."""
-    if item.tensor_data is None:
-        return 0
-    numel = math.prod(item.tensor_data.chunk.sizes)
-    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
-
-
-def split_balanced(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Deal items into ``bins`` lists: byte items round-robin, tensors largest-first to the
-    lightest bin. With one bin the plan order is kept (byte-identical to torch's writer)."""
-    if bins <= 1:
-        return [list(items)]
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
-    for k, item in enumerate(byte_items):
-        buckets[k % bins].append(item)
-    tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
-    heap = [(0, b) for b in range(bins)]
-    for item in sorted(tensor_items, key=item_nbytes, reverse=True):
-        load, b = heapq.heappop(heap)
-        buckets[b].append(item)
-        heapq.heappush(heap, (load + item_nbytes(item), b))
-    return buckets
-
-
-def plan_files(
-    items: Sequence[WriteItem],
-    *,
-    prefix: str,
-    thread_count: int,
-    single_file_per_rank: bool,
-    separation_hint: str | None,
-) -> list[tuple[str, list[WriteItem]]]:
-    """``(file name, items)`` for each data file of one rank, numbered as torch numbers them.
-
-    With ``separation_hint`` the items whose key starts with it go to their own files, named
-    with the hint as a prefix, each group split into ``thread_count // 2`` files.
-    """
-    if separation_hint is None:
-        groups = [("", list(items))]
-        bins = thread_count
-    else:
-        hinted = [i for i in items if i.index.fqn.startswith(separation_hint)]
-        rest = [i for i in items if not i.index.fqn.startswith(separation_hint)]
-        groups = [("", rest), (separation_hint, hinted)]
-        bins = max(1, thread_count // 2)
-    files: list[tuple[str, list[WriteItem]]] = []
-    for group_prefix, group_items in groups:
-        if single_file_per_rank:
-            chunks = split_balanced(group_items, bins)
-        else:
-            chunks = [[item] for item in group_items]
-        for chunk in chunks:
-            if chunk:
-                files.append((f"{group_prefix}{prefix}{len(files)}{DEFAULT_SUFFIX}", chunk))
-    return files
+# -- sizes (both sides) ----------------------------------------------------------------------
 
 
 def bucket_nbytes(bucket: WriteBucket) -> int:
@@ -270,7 +218,15 @@ def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
     path, name, (bytes_data, tensor_data) = bucket
     backend = job.backend()
     results: list[WriteResult] = []
-    with backend.open_write(path, sync=job.sync_files) as raw:
+    opened: AbstractContextManager[Any]  # a BinaryIO either way
+    if job.open_file is not None and isinstance(backend, PosixBackend):
+        opened = cast(
+            AbstractContextManager[Any],
+            atomic_file(path, sync=job.sync_files, opener=job.open_file),
+        )
+    else:
+        opened = backend.open_write(path, sync=job.sync_files)
+    with opened as raw:
         stream = ChecksumStream(raw, early_writeback=job.sync_files)
         for item, data in bytes_data:
             results.append(write_item(job.transforms, stream, data, item, name))
@@ -305,13 +261,79 @@ def _run_lane(
         outcomes[index] = exc
 
 
+MULTIPROC_DAEMON_ERROR = (
+    "Invalid Setup! is_multiproc_io=True writes the data files with child processes, which "
+    "a daemon background worker cannot start: create the AsyncCallsQueue with "
+    "is_daemon=False, or leave is_multiproc_io=False (writer threads)"
+)
+
+
+def _lane_process(
+    conn: Any, parent_pid: int, write_one: Callable[[WriteBucket], FileRecord], lane: list
+) -> None:
+    """Body of one writer process (forked): write its files, send the records or the
+    failure's text, exit without running the parent's exit handlers."""
+    arm_parent_death_signal(parent_pid)
+    try:
+        try:
+            conn.send([write_one(bucket) for bucket in lane])
+        except BaseException as exc:
+            conn.send("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    finally:
+        os._exit(0)
+
+
+def _write_lanes_in_processes(
+    lanes: list[list[WriteBucket]], write_one: Callable[[WriteBucket], FileRecord]
+) -> list[Any]:
+    """One forked process per lane (``is_multiproc_io``): the outcome of each lane, in
+    order: its records, or an exception. The fork shares the staged tensors copy-on-write,
+    so nothing is copied to hand them over."""
+    if mp.current_process().daemon:
+        raise CheckpointWriteError(MULTIPROC_DAEMON_ERROR)
+    ctx = mp.get_context("fork")
+    children = []
+    for k, lane in enumerate(lanes):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_lane_process,
+            args=(writer, os.getpid(), write_one, lane),
+            name=f"resilient_ckpt-dcp-writer-proc-{k}",
+        )
+        proc.start()
+        writer.close()
+        children.append((proc, reader))
+    outcomes: list[Any] = []
+    for proc, reader in children:
+        try:
+            outcome = reader.recv()
+        except (EOFError, OSError):
+            outcome = None
+        reader.close()
+        proc.join()
+        if isinstance(outcome, str):
+            outcome = CheckpointWriteError(f"writer process pid {proc.pid} failed:\n{outcome}")
+        elif not isinstance(outcome, list):
+            outcome = CheckpointWriteError(
+                f"writer process pid {proc.pid} ended (exit code {proc.exitcode}) without "
+                "reporting its files"
+            )
+        outcomes.append(outcome)
+    return outcomes
+
+
 def write_all(
     buckets: Sequence[WriteBucket],
     thread_count: int,
     write_one: Callable[[WriteBucket], FileRecord],
+    *,
+    processes: bool = False,
 ) -> list[FileRecord]:
-    """Write every bucket with up to ``thread_count`` threads; raise the first failure."""
+    """Write every bucket with up to ``thread_count`` threads (or forked processes, with
+    ``processes``); raise the first failure."""
     lanes = assign_lanes(buckets, max(1, thread_count))
+    if processes:
+        return _first_failure_or_records(_write_lanes_in_processes(lanes, write_one))
     outcomes: list[Any] = [None] * len(lanes)
     threads = [
         threading.Thread(
@@ -329,6 +351,10 @@ def write_all(
         _run_lane(write_one, lanes[0], outcomes, 0)
     for thread in threads:
         thread.join()
+    return _first_failure_or_records(outcomes)
+
+
+def _first_failure_or_records(outcomes: list[Any]) -> list[FileRecord]:
     failures = [o for o in outcomes if isinstance(o, BaseException)]
     if failures:
         for extra in failures[1:]:
@@ -346,7 +372,7 @@ def run_write_job(
     started = time.perf_counter()
     report = RankWriteReport(job.token, job.rank)
     try:
-        report.files = write_all(buckets, job.thread_count, write_one)
+        report.files = write_all(buckets, job.thread_count, write_one, processes=job.multiproc_io)
     except Exception as exc:
         report.failure = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         logger.error("writing checkpoint files in %s failed: %r", job.checkpoint_dir, exc)

@@ -24,7 +24,7 @@ class AsyncRequest(NamedTuple):
     """
 
     async_fn: Callable[..., Any] | None
-    async_fn_args: tuple
+    async_fn_args: tuple | list
     finalize_fns: list[Callable[[], Any]]
     async_fn_kwargs: dict | None = None
     preload_fn: Callable[[], Any] | None = None

@@ -29,6 +29,11 @@ Call protocol (every rank; "trainer" is the training process):
 A writer holds the state of one save; create one per checkpoint, as with NVRx. All I/O goes
 through the storage backend chosen by the path (``msc://`` or ``use_msc``), so object stores
 plug in without changes here.
+
+Behind the class: :mod:`._writer_checks` (what the constructor checks), :mod:`._dcp_buckets`
+(items into per-file buckets), :mod:`._dcp_write` (the background write),
+:mod:`._writer_results` (checking its report, filling the commit record) and
+:class:`~resilient_ckpt.storage.commit.RecordCommit` (writing and removing that record).
 """
 
 from __future__ import annotations
@@ -37,43 +42,50 @@ import dataclasses
 import functools
 import os
 import pickle
-import tempfile
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .. import _dist
 from .._logging import get_logger
+from .._rank_errors import wrap_for_gather as _wrap_exception_for_gather  # noqa: F401 (NVRx name)
 from ..config import RetryPolicy
-from ..errors import CheckpointExistsError, CheckpointWriteError, ConfigurationError, StorageError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+    ConfigurationError,
+    FrozenRequestError,
+)
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
-from ..storage.commit import fsync_dir
+from ..storage.commit import RecordCommit
+from ._dcp_buckets import build_buckets, host_buckets
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
     WriteJob,
     discard_report,
     load_report,
-    plan_files,
     run_write_job,
     write_file,
+)
+from ._writer_checks import check_flag, check_open_file, check_writer_options, checkpoint_dir_of
+from ._writer_results import (
+    FILE_TABLE_ATTR,  # noqa: F401 (imported from here)
+    attach_file_table,
+    checked_files,
+    complete_metadata,
 )
 
 logger = get_logger(__name__)
 
 __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
-
-METADATA_NAME = ".metadata"
-# Extra attribute of the pickled Metadata (dcp.load ignores it): {"algorithm", "files"}.
-FILE_TABLE_ATTR = "resilient_ckpt_files"
 
 # NVRx/Megatron probe for this attribute; our writer returns results through a file instead.
 _results_queue: Any = None
@@ -89,34 +101,24 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
     return _results_queue
 
 
-def _checkpoint_dir(path: Any) -> str:
-    if isinstance(path, (str, os.PathLike)):
-        return os.fspath(path) if not isinstance(path, str) else path
-    raise ConfigurationError(f"checkpoint path must be a str or os.PathLike, got {path!r}")
-
-
-def _snapshot_view(tensor: Any, fqn: str) -> torch.Tensor:
-    """Detach; clone a CPU view whose storage is larger than its bytes (else staging would
-    copy the whole base storage, and torch's writer would clone it anyway)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ConfigurationError(
-            f"the planner resolved tensor item {fqn!r} to a {type(tensor).__name__}"
-        )
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-            return tensor.clone()
-    return tensor
-
-
 class FileSystemWriterAsync(FileSystemWriter):
     """DCP ``FileSystemWriter`` that writes in the background; see the module docstring.
 
     Args:
         path: checkpoint directory (or ``msc://profile/path``).
         separation_hint: keys starting with it are written to separate files.
-        use_msc: use the multi-storage-client backend (requires an ``msc://`` path; any
-            ``msc://`` path uses it anyway).
+        use_msc: write through the multi-storage-client backend: an ``msc://`` path (which
+            uses it anyway), or a plain path served by MSC's POSIX provider.
+        is_multiproc_io: write the data files with child processes of the background
+            worker instead of threads (a daemon worker cannot have children: use
+            ``AsyncCallsQueue(is_daemon=False)``; otherwise the save fails, naming this).
+        use_cached_data_structure, use_cpu_shm_for_gpu_tensors: NVRx's staging switches,
+            accepted for compatibility. Our staging already does what they ask for every
+            save: tensors (CUDA ones included) are copied by the trainer into host shared
+            memory that is allocated once and reused while the structure is unchanged.
+        open_file: the function that opens each data file for writing (called as
+            ``open_file(path, "wb")``; default: the built-in ``open``). It travels to the
+            background worker, so it must be picklable. Local paths only.
         retry_policy: retries of object-store operations (default: from the environment,
             see :mod:`resilient_ckpt.config`).
         *args, **kwargs: ``FileSystemWriter``'s (``single_file_per_rank``, ``sync_files``,
@@ -125,16 +127,34 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     can_run_decentralized_global_plan: bool = True
 
+    # NVRx's class-level staging caches, kept because NVRx users and tests clear them
+    # between runs. Our staging keeps no per-class state (its shared-memory arenas belong
+    # to each queue's caller), so they stay empty; cleanup_tensor_caches() clears them.
+    _cached_identifiers: ClassVar[set[str]] = set()
+    _cached_tensor_data_ptrs: ClassVar[dict[str, tuple]] = {}
+    _shm_tensor_cache: ClassVar[dict[str, tuple[list, list]]] = {}
+
     def __init__(
         self,
         path: str | os.PathLike,
         *args: Any,
         separation_hint: str | None = None,
         use_msc: bool = False,
+        is_multiproc_io: bool = False,
+        use_cached_data_structure: bool = False,
+        use_cpu_shm_for_gpu_tensors: bool = False,
         retry_policy: RetryPolicy | None = None,
         **kwargs: Any,
     ) -> None:
-        checkpoint_dir = _checkpoint_dir(path)
+        checkpoint_dir = checkpoint_dir_of(path)
+        self.open_file = check_open_file(kwargs.pop("open_file", open), use_msc, checkpoint_dir)
+        self.is_multiproc_io = check_flag("is_multiproc_io", is_multiproc_io)
+        self.use_cached_data_structure = check_flag(
+            "use_cached_data_structure", use_cached_data_structure
+        )
+        self.use_cpu_shm_for_gpu_tensors = check_flag(
+            "use_cpu_shm_for_gpu_tensors", use_cpu_shm_for_gpu_tensors
+        )
         self.retry_policy = retry_policy
         self._backend = get_backend(checkpoint_dir, use_msc=use_msc, retry=retry_policy)
         super().__init__(checkpoint_dir, *args, **kwargs)
@@ -149,27 +169,27 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.results_queue: Any = None
         self.written_files: dict[str, tuple[int, int]] = {}
         self._job: WriteJob | None = None
+        self._expected_files: list[str] | None = None
+
+    @property
+    def is_multi_proc_io(self) -> bool:
+        """NVRx's attribute name for ``is_multiproc_io``."""
+        return self.is_multiproc_io
+
+    @property
+    def has_data_to_write(self) -> bool:
+        """Whether this rank's prepared save writes any file (NVRx name)."""
+        return bool(self._expected_files)
+
+    @classmethod
+    def cleanup_tensor_caches(cls) -> None:
+        """Clear NVRx's class-level staging caches (see the class attributes)."""
+        cls._cached_identifiers.clear()
+        cls._cached_tensor_data_ptrs.clear()
+        cls._shm_tensor_cache.clear()
 
     def _validate_options(self, checkpoint_dir: str) -> None:
-        if not isinstance(self.thread_count, int) or self.thread_count < 1:
-            raise ConfigurationError(f"thread_count must be an int >= 1, got {self.thread_count!r}")
-        if self.separation_hint is not None and (
-            not isinstance(self.separation_hint, str) or not self.separation_hint
-        ):
-            raise ConfigurationError(
-                f"separation_hint must be a non-empty str or None, got {self.separation_hint!r}"
-            )
-        fmt = getattr(self, "serialization_format", None)
-        if fmt is not None and getattr(fmt, "value", fmt) != "torch_save":
-            raise ConfigurationError(
-                f"FileSystemWriterAsync writes the torch_save format only, got {fmt!r}"
-            )
-        if isinstance(self._backend, PosixBackend):
-            if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
-                raise ConfigurationError(
-                    f"checkpoint path {checkpoint_dir!r} exists and is not a directory"
-                )
-            _probe_writable(_nearest_existing_dir(checkpoint_dir))
+        check_writer_options(self, checkpoint_dir, local=isinstance(self._backend, PosixBackend))
 
     # -- planning (trainer) -----------------------------------------------------------------
 
@@ -179,12 +199,15 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
         self._prepare_directory()
 
+    def _commit(self) -> RecordCommit:
+        return RecordCommit(self._backend, self.checkpoint_dir, sync=self.sync_files)
+
     def _prepare_directory(self) -> None:
         self._backend.makedirs(self.checkpoint_dir)
         if not self.is_coordinator:
             return
-        commit = self._backend.join(self.checkpoint_dir, METADATA_NAME)
-        if self._backend.exists(commit):
+        commit = self._commit()
+        if commit.is_committed():
             if not self.overwrite:
                 raise CheckpointExistsError(
                     f"a checkpoint is already committed in {self.checkpoint_dir!r} and the "
@@ -193,9 +216,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             logger.warning("overwriting the checkpoint in %s", self.checkpoint_dir)
             # Uncommit first, durably: while new data files replace old ones, nobody may load
             # them, not even after a crash.
-            self._backend.delete(commit)
-            if self.sync_files and isinstance(self._backend, PosixBackend):
-                fsync_dir(self.checkpoint_dir)
+            commit.uncommit()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.rank is not None and not self.use_collectives:
@@ -221,17 +242,16 @@ class FileSystemWriterAsync(FileSystemWriter):
                 "the final save plan has no storage prefix; plan with "
                 "save_state_dict_async_plan (it runs prepare_global_plan)"
             )
-        files = plan_files(
-            plan.items,
+        self.write_buckets = build_buckets(
+            plan,
+            planner,
             prefix=storage.prefix,
+            join=self._backend.join,
+            checkpoint_dir=self.checkpoint_dir,
             thread_count=self.thread_count,
             single_file_per_rank=self.single_file_per_rank,
             separation_hint=self.separation_hint,
         )
-        self.write_buckets = [
-            (self._backend.join(self.checkpoint_dir, name), name, _resolve(items, planner))
-            for name, items in files
-        ]
         self._job = WriteJob(
             checkpoint_dir=self.checkpoint_dir,
             use_msc=self.use_msc,
@@ -241,38 +261,47 @@ class FileSystemWriterAsync(FileSystemWriter):
             thread_count=self.thread_count,
             transforms=getattr(self, "transforms", None),
             retry=self.retry_policy,
+            open_file=None if self.open_file is open else self.open_file,
+            multiproc_io=self.is_multiproc_io,
         )
+        self._expected_files = [name for _, name, _ in self.write_buckets]
         self.written_files = {}
         self.results_queue = None
 
-    def get_save_function_and_args(self) -> tuple[Any, Any, tuple]:
-        """``(save_fn, preload_fn, args)``, or ``(None, None, ())`` when this rank writes
+    def get_save_function_and_args(self) -> tuple[Any, Any, list]:
+        """``(save_fn, preload_fn, args)``, or ``(None, None, [])`` when this rank writes
         nothing. ``preload_fn()`` returns the buckets with tensors on the host; its result
-        replaces ``args[1]``."""
-        if not self.write_buckets or self._job is None:
-            return None, None, ()
+        replaces ``args[1]``.
+
+        The write payload (the buckets, which reference the trainer's tensors) is handed
+        over: the writer keeps only the file names it needs to check the results, so once
+        the request is staged nothing here keeps training memory alive. A second call for
+        the same prepared save raises; ``prepare_write_data`` prepares the next one.
+        """
+        if not self._expected_files or self._job is None:
+            return None, None, []
+        if self.write_buckets is None:
+            raise FrozenRequestError(
+                f"the write payload of this save to {self.checkpoint_dir!r} has already been "
+                "transferred (get_save_function_and_args was called before); call "
+                "prepare_write_data (or plan again) to prepare another save"
+            )
+        buckets, self.write_buckets = self.write_buckets, None
         save_fn = functools.partial(type(self).write_preloaded_data_multithread, self._job)
-        preload_fn = functools.partial(type(self).preload_tensors, self.write_buckets, True)
-        return save_fn, preload_fn, (self._job.rank, self.write_buckets)
+        preload_fn = functools.partial(type(self).preload_tensors, buckets, True)
+        return save_fn, preload_fn, [self._job.rank, buckets]
 
     @staticmethod
     def preload_tensors(
         write_buckets: list[WriteBucket], non_blocking: bool = True
     ) -> list[WriteBucket]:
-        """The buckets with every tensor on the host (device tensors copied; CPU ones as is)."""
-        moved_from_device = False
-        result: list[WriteBucket] = []
-        for path, name, (bytes_data, tensor_data) in write_buckets:
-            host = []
-            for item, tensor in tensor_data:
-                if tensor.device.type != "cpu":
-                    moved_from_device = True
-                    tensor = tensor.to("cpu", non_blocking=non_blocking)
-                host.append((item, tensor))
-            result.append((path, name, (bytes_data, host)))
-        if moved_from_device and non_blocking and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return result
+        """The buckets with every tensor on the host, none aliasing memory that another
+        process can change: device tensors are copied; CPU tensors in shared memory
+        (``share_memory_()``, as multiprocessing queues leave them) are cloned, since the
+        trainer may still write to them (a fork shares such pages instead of copying them on
+        write); private CPU tensors, our staged snapshots included, are passed as they are.
+        """
+        return host_buckets(write_buckets, non_blocking)
 
     # -- the background write ---------------------------------------------------------------
 
@@ -302,31 +331,15 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     def retrieve_write_results(self) -> list[WriteResult]:
         """This rank's write results; raises ``CheckpointWriteError`` if the write failed."""
-        if self.write_buckets is None:
+        if self._expected_files is None:
             raise CheckpointWriteError(
                 "retrieve_write_results before prepare_write_data: nothing was planned",
                 rank=self._rank(),
             )
-        if not self.write_buckets or self._job is None:
+        if not self._expected_files or self._job is None:
             return []
         report = load_report(self._job)
-        if report.failure is not None:
-            raise CheckpointWriteError(
-                f"rank {report.rank}: writing checkpoint files in {self.checkpoint_dir!r} "
-                f"failed in the background:\n{report.failure}",
-                rank=report.rank,
-                path=self.checkpoint_dir,
-            )
-        expected = {name for _, name, _ in self.write_buckets}
-        written = {record.name for record in report.files}
-        if written != expected:
-            raise CheckpointWriteError(
-                f"rank {report.rank}: incomplete write: expected files {sorted(expected)}, "
-                f"the background write reported {sorted(written)}",
-                rank=report.rank,
-                path=self.checkpoint_dir,
-            )
-        self.written_files = {r.name: (r.size, r.crc32) for r in report.files}
+        self.written_files = checked_files(report, self._expected_files, self.checkpoint_dir)
         discard_report(self._job)
         return [result for record in report.files for result in record.results]
 
@@ -337,33 +350,37 @@ class FileSystemWriterAsync(FileSystemWriter):
         file_checksums: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         """Write the commit record (coordinator only, after every rank's write succeeded)."""
-        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
-        metadata.storage_meta = self.storage_meta()
-        version = _dcp_version()
-        if version is not None:
-            metadata.version = version
+        complete_metadata(metadata, results, self.storage_meta())
         if file_checksums is None and len(results) == 1:
             file_checksums = self.written_files or None
-        if file_checksums:
-            table = {"algorithm": "crc32", "files": dict(file_checksums)}
-            setattr(metadata, FILE_TABLE_ATTR, table)
-        else:
-            metadata.__dict__.pop(FILE_TABLE_ATTR, None)
-        path = self._backend.join(self.checkpoint_dir, METADATA_NAME)
-        with self._backend.open_write(path, sync=self.sync_files) as f:
-            pickle.dump(metadata, f)
+        self.publish_metadata(metadata, file_checksums)
+
+    def publish_metadata(
+        self, metadata: Metadata, file_checksums: dict[str, tuple[int, int]] | None = None
+    ) -> None:
+        """Write ``metadata`` as the commit record, atomically, with the data files'
+        checksum table (coordinator only; ``finish`` fills it in first, a finalize that
+        reuses prepared metadata publishes that as it is)."""
+        attach_file_table(metadata, file_checksums)
+        self._commit().commit(lambda f: pickle.dump(metadata, f))
         logger.info("committed checkpoint %s", self.checkpoint_dir)
+
+    def read_metadata(self) -> Metadata:
+        """The commit record of this writer's checkpoint, as written."""
+        with self._backend.open_read(self._commit().record_path) as f:
+            return pickle.load(f)
 
     # -- identity -----------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
         if checkpoint_id:
-            self.checkpoint_dir = _checkpoint_dir(checkpoint_id)
+            self.checkpoint_dir = checkpoint_dir_of(checkpoint_id)
             self._backend = get_backend(
                 self.checkpoint_dir, use_msc=self.use_msc, retry=self.retry_policy
             )
         self.write_buckets = None
+        self._expected_files = None
         self.written_files = {}
         self._job = None
 
@@ -374,42 +391,3 @@ class FileSystemWriterAsync(FileSystemWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
-
-
-def _resolve(items: list, planner: SavePlanner) -> tuple[list, list]:
-    bytes_data = [
-        (item, planner.resolve_data(item)) for item in items if item.type == WriteItemType.BYTE_IO
-    ]
-    tensor_data = [
-        (item, _snapshot_view(planner.resolve_data(item), item.index.fqn))
-        for item in items
-        if item.type != WriteItemType.BYTE_IO
-    ]
-    return bytes_data, tensor_data
-
-
-def _nearest_existing_dir(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
-def _probe_writable(directory: str) -> None:
-    """Create and remove a file in ``directory`` (the checkpoint directory or the ancestor
-    it will be created in): the one reliable check, as root ignores permission bits. Done
-    once, when the writer is made, so a bad path fails there, before any collective."""
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".resilient_ckpt_probe-", dir=directory)
-    except OSError as exc:
-        raise StorageError(
-            f"checkpoint directory {directory!r} is not writable: {exc.strerror or exc}"
-        ) from exc
-    os.close(fd)
-    os.unlink(probe)
-
-
-def _dcp_version() -> str | None:
-    from torch.distributed.checkpoint import filesystem
-
-    return getattr(filesystem, "CURRENT_DCP_VERSION", None)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.api import _is_wrapped_exception
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -43,8 +44,14 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import _dist
 from .._logging import get_logger
-from .._rank_errors import RankFailureError, from_checkpoint_exception
+from .._rank_errors import RankFailureError, from_checkpoint_exception, wrap_for_gather
 from ..errors import InvalidRequestError
+from ._metadata_reuse import (
+    check_reuse_arguments,
+    find_layout_mismatch,
+    share_created_metadata,
+    stale_error,
+)
 from ._planning import Planning, agree, check_writer, is_decentralized, plan_matches_loaded
 from ._structure import check_state_dict
 
@@ -314,27 +321,64 @@ class _RankOutcome:
 
 
 def save_state_dict_async_finalize(
-    storage_writer: Any, global_metadata: Metadata | None, dist_wrapper: _DistWrapper
-) -> None:
+    storage_writer: Any,
+    global_metadata: Metadata | None,
+    dist_wrapper: _DistWrapper,
+    reuse_metadata_obj: Metadata | None = None,
+    create_metadata_path: str | None = None,
+) -> Metadata | None:
     """Gather every rank's write outcome and commit (collective, all ranks).
 
     Raises :class:`~resilient_ckpt.errors.RankFailureError` (a
     ``torch.distributed.checkpoint.CheckpointException`` and a ``CheckpointingException``)
     on every rank when any rank's write failed (naming those ranks; nothing is committed)
     or the commit failed.
+
+    ``reuse_metadata_obj``: publish this complete metadata of an earlier save of the same
+    structure instead of building it, after every rank checked that its writes land where
+    it says (see :mod:`._metadata_reuse`; a stale one fails the save, nothing committed).
+    ``create_metadata_path``: after the commit, store the complete metadata there and
+    return it on every rank, for later ``reuse_metadata_obj``. Otherwise returns None.
     """
+    check_reuse_arguments(reuse_metadata_obj, create_metadata_path)
     started = time.perf_counter()
 
-    def collect() -> _RankOutcome:
-        results = storage_writer.retrieve_write_results()
-        return _RankOutcome(results, dict(getattr(storage_writer, "written_files", {}) or {}))
+    def collect() -> Any:
+        # A failure travels as a pickle-safe wrapped exception (an unpicklable one would
+        # break the gather on this rank and leave the others waiting in it). NVRx-style
+        # writers may also return the wrapped failure instead of raising it.
+        try:
+            results = storage_writer.retrieve_write_results()
+        except Exception as exc:
+            return wrap_for_gather(exc)
+        if _is_wrapped_exception(results):
+            return results
+        checksums = dict(getattr(storage_writer, "written_files", {}) or {})
+        if reuse_metadata_obj is None:
+            return _RankOutcome(results, checksums)
+        mismatch = find_layout_mismatch(results, reuse_metadata_obj)
+        if mismatch is not None:
+            return wrap_for_gather(stale_error(dist_wrapper.get_rank(), mismatch))
+        return _RankOutcome([], checksums)  # the prepared metadata already locates them
 
     def commit(outcomes: list[_RankOutcome]) -> None:
-        _commit(storage_writer, global_metadata, outcomes)
+        if reuse_metadata_obj is None:
+            _commit(storage_writer, global_metadata, outcomes)
+            return
+        checksums: dict[str, tuple[int, int]] = {}
+        for outcome in outcomes:
+            checksums.update(outcome.file_checksums)
+        storage_writer.publish_metadata(copy.copy(reuse_metadata_obj), checksums or None)
 
     with _as_rank_failure("DCP save (write and commit)"):
         dist_wrapper.all_reduce("write", collect, commit)
     logger.info("finalized checkpoint save in %.4fs", time.perf_counter() - started)
+    if create_metadata_path is not None:
+        return share_created_metadata(storage_writer, dist_wrapper, create_metadata_path)
+    return None
+
+
+_find_layout_mismatch = find_layout_mismatch  # NVRx's name
 
 
 def _commit(writer: Any, metadata: Metadata | None, outcomes: list[_RankOutcome]) -> None:

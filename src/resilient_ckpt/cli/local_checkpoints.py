@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointingException, ConfigurationError
+from ..local import _nvrx_format
 from ..local._format import check_against_manifest, deserialize, read_verified
 from ..local._manifest import DATA, MANIFEST, Manifest, file_name, parse_name
 from ..storage import PosixBackend, StorageBackend, get_backend
@@ -150,11 +151,16 @@ def summarize(
 
 
 def load_shard(path: str) -> Any:
-    """The state dict stored in one local copy file, checked against its manifest."""
+    """The state dict stored in one local copy file, checked against its manifest (or, for a
+    file NVRx wrote, against the checksums inside it)."""
     parsed = parse_name(os.path.basename(path))
     if parsed is None or parsed[2] != DATA:
         raise ConfigurationError(f"{path!r} is not a local checkpoint file (iter_<n>_<r>_local.pt)")
     manifest_path = os.path.join(os.path.dirname(path), file_name(parsed[0], parsed[1], MANIFEST))
+    if not os.path.exists(manifest_path) and _nvrx_format.is_nvrx_file(path):
+        # Written by NVRx: verified by the archive's own checksums (see local._nvrx_format).
+        state = deserialize(_nvrx_format.read_verified_nvrx(path))
+        return preload_tensors(getattr(state, "state_dict", state), non_blocking=False)
     with open(manifest_path, "rb") as f:
         manifest = Manifest.from_json(f.read(), manifest_path)
     state = deserialize(read_verified(path, manifest.size, manifest.crc32))

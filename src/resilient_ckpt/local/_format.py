@@ -36,6 +36,8 @@ from typing import IO, Any
 import torch
 
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
+from . import _nvrx_format
+from ._whole import WholeObject, snapshot_whole
 from .base_state_dict import TensorAwareStateDict
 
 MAGIC = b"RCLOCAL\x00"
@@ -88,8 +90,14 @@ def _check_tensor(tensor: torch.Tensor, index: int) -> None:
 
 
 def plan_shard(state: TensorAwareStateDict) -> ShardLayout:
-    """Lay ``state`` out as a shard; ``state`` is left as it was (tensors put back)."""
-    tensors = state.pop_tensors()
+    """Lay ``state`` out as a shard; ``state`` is left as it was (tensors put back).
+
+    A state whose ``pop_tensors`` is not implemented is saved whole (see :mod:`._whole`).
+    """
+    try:
+        tensors = state.pop_tensors()
+    except NotImplementedError:
+        return plan_shard(snapshot_whole(state))
     try:
         records: list[TensorRecord] = []
         offset = 0
@@ -175,10 +183,13 @@ class CrcPipe:
         return self.value
 
 
-def _bytes_view(tensor: torch.Tensor) -> memoryview:
+def bytes_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU uint8 tensor (no copy)."""
     array: Any = tensor.numpy()
     return memoryview(array).cast("B")
+
+
+_bytes_view = bytes_view
 
 
 def _host_view(piece: torch.Tensor | bytes) -> memoryview:
@@ -270,8 +281,14 @@ def crc_of(buffer: torch.Tensor) -> int:
 
 
 def deserialize(buffer: torch.Tensor) -> TensorAwareStateDict:
-    """Rebuild the state from a shard buffer; the tensors are views of ``buffer``."""
+    """Rebuild the state from a shard buffer; the tensors are views of ``buffer``.
+
+    A buffer holding a file NVRx wrote (see :mod:`._nvrx_format`) is loaded as NVRx does;
+    a state saved whole comes back as the user's object.
+    """
     raw = _bytes_view(buffer)
+    if _nvrx_format.is_nvrx_bytes(raw):
+        return _nvrx_format.load_state(raw)
     if len(raw) < _PREFIX.size:
         raise CorruptCheckpointError(f"shard of {len(raw)} bytes is too short")
     magic, version, _, header_len = _PREFIX.unpack_from(raw)
@@ -287,6 +304,8 @@ def deserialize(buffer: torch.Tensor) -> TensorAwareStateDict:
     data_start = align(_PREFIX.size + header_len)
     tensors = [_tensor_from(buffer, data_start, r) for r in records]
     state.insert_tensors(tensors)
+    if isinstance(state, WholeObject):
+        return state.unwrap()
     return state  # type: ignore[no-any-return]
 
 

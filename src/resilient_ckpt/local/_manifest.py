@@ -97,3 +97,6 @@ class CopyInfo:
     world_size: int
     replication: dict[str, Any] | None
     path: str
+    # Written by NVRx (a torch.save archive, no manifest): ``crc32`` is unknown (-1) and the
+    # archive's own record checksums are verified instead (see ``._nvrx_format``).
+    nvrx: bool = False

@@ -41,12 +41,12 @@ from ..config import (
     default_retry_policy,
 )
 from ..errors import ConfigurationError
-from .base import Listing, StorageBackend
+from .base import Listing, StorageBackend, is_msc_url
 from .retry import call_with_retry
 
 logger = get_logger(__name__)
 
-__all__ = ["MscBackend", "parse_msc_url", "storage_client"]
+__all__ = ["MscBackend", "client_and_key", "parse_msc_url", "storage_client"]
 
 T = TypeVar("T")
 
@@ -70,6 +70,19 @@ def parse_msc_url(path: str) -> tuple[str, str]:
             "defined in your MSC config"
         )
     return profile, key.strip("/")
+
+
+def client_and_key(path: str) -> tuple[Any, str]:
+    """The MSC client and object key for ``path``: an ``msc://`` URL (its profile), or a
+    plain path, which MSC serves through its implicit POSIX profile (NVRx hands plain paths
+    to MSC this way when ``use_msc=True``)."""
+    if isinstance(path, str) and path.startswith(MSC_SCHEME):
+        profile, key = parse_msc_url(path)
+        return storage_client(profile), key
+    msc = _import_msc()
+    client, key = msc.resolve_storage_client(os.path.abspath(os.fspath(path)))
+    # The filesystem profile lists keys relative to "/"; keep ours in the same form.
+    return client, str(key).strip("/")
 
 
 def _import_msc() -> Any:
@@ -192,7 +205,8 @@ class _SpoolWriter:
 
 
 class MscBackend(StorageBackend):
-    """:class:`~.base.StorageBackend` over multi-storage-client; paths are ``msc://`` URLs."""
+    """:class:`~.base.StorageBackend` over multi-storage-client; paths are ``msc://`` URLs,
+    or plain paths served by MSC's POSIX provider (``use_msc=True`` with a local path)."""
 
     scheme = "msc"
 
@@ -204,12 +218,10 @@ class MscBackend(StorageBackend):
 
     def check(self, path: str) -> None:
         """Parse ``path`` and resolve its profile now, so a bad one fails early and clearly."""
-        profile, _ = parse_msc_url(path)
-        storage_client(profile)
+        client_and_key(path)
 
     def _call(self, operation: str, path: str, fn: Callable[[Any, str], T]) -> T:
-        profile, key = parse_msc_url(path)
-        client = storage_client(profile)
+        client, key = client_and_key(path)
         return call_with_retry(
             lambda: fn(client, key), policy=self.retry, operation=operation, key=path
         )
@@ -217,7 +229,10 @@ class MscBackend(StorageBackend):
     # -- writing ------------------------------------------------------------------------------
 
     def makedirs(self, path: str) -> None:
-        parse_msc_url(path)  # prefixes need no creating; objects create their own
+        if is_msc_url(path):
+            parse_msc_url(path)  # prefixes need no creating; objects create their own
+        else:
+            os.makedirs(path, exist_ok=True)  # a plain path: MSC's POSIX provider needs it
 
     @contextmanager
     def open_write(self, path: str, *, sync: bool = True) -> Iterator[BinaryIO]:
@@ -228,7 +243,8 @@ class MscBackend(StorageBackend):
         finally:
             spool.discard()
 
-    def delete(self, path: str, *, recursive: bool = False) -> None:
+    def delete(self, path: str, *, recursive: bool = False, sync: bool = False) -> None:
+        # ``sync`` needs nothing here: a completed delete request is durable.
         info = self._info(path)
         if info is None:
             return

@@ -24,6 +24,7 @@ which it treats as a failed memory write.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import pickle
 import uuid
@@ -78,22 +79,21 @@ class DurableCopyWriter(FileSystemWriterAsync):
 
     setup_error: Exception | None = None
 
-    def adopt(self, memory_writer: FileSystemWriterAsync) -> None:
-        buckets = memory_writer.write_buckets or []
-        self.write_buckets = [
-            (self._backend.join(self.checkpoint_dir, name), name, items)
-            for _, name, items in buckets
-        ]
-        self._job = WriteJob(
-            checkpoint_dir=self.checkpoint_dir,
-            use_msc=self.use_msc,
-            rank=self._rank(),
-            token=uuid.uuid4().hex,
-            sync_files=self.sync_files,
-            thread_count=self.thread_count,
-            transforms=getattr(self, "transforms", None),
-            retry=self.retry_policy,
-        )
+    def adopt(self, memory_job: WriteJob | None, buckets: list[WriteBucket]) -> None:
+        """Take the memory writer's planned files (names only: the payload stays with the
+        request) and make this tier's job from the memory job."""
+        self.write_buckets = None
+        self._expected_files = [name for _, name, _ in buckets]
+        self._job = None
+        if memory_job is not None:
+            self._job = dataclasses.replace(
+                memory_job,
+                checkpoint_dir=self.checkpoint_dir,
+                use_msc=self.use_msc,
+                token=uuid.uuid4().hex,
+                sync_files=self.sync_files,
+                retry=self.retry_policy,
+            )
         self.written_files = {}
 
     @property
@@ -111,17 +111,20 @@ class DurableCopyWriter(FileSystemWriterAsync):
         return super().retrieve_write_results()
 
 
-def memory_job_of(writer: FileSystemWriterAsync) -> WriteJob | None:
-    """The memory writer's job (None when this rank has nothing to write)."""
-    save_fn, _, _ = writer.get_save_function_and_args()
+def split_save_function(writer: FileSystemWriterAsync) -> tuple[WriteJob | None, Any, list]:
+    """``(memory job, preload_fn, args)`` of a prepared writer (job None: nothing to write).
+
+    Calls ``get_save_function_and_args`` once: the writer hands its payload over.
+    """
+    save_fn, preload_fn, args = writer.get_save_function_and_args()
     if save_fn is None:
-        return None
+        return None, None, list(args)
     job = save_fn.args[0]
-    return job if isinstance(job, WriteJob) else None
+    return (job if isinstance(job, WriteJob) else None), preload_fn, list(args)
 
 
 def durable_job_of(writer: DurableCopyWriter) -> WriteJob | None:
-    return writer.job if writer.write_buckets else None
+    return writer.job
 
 
 def commit_metadata_bytes(

@@ -3,13 +3,19 @@ durable tier; restore from the newest verified checkpoint on any tier, at any wo
 
 Call protocol (every rank makes every call, in the same order, from the training thread)::
 
-    mgr = TieredCheckpointManager(memory_dir, durable_dir, replication_factor=2,
-                                  replication_jump=None, durable_every=10,
-                                  keep_memory=2, keep_durable=2)   # collective: makes groups
-    step = mgr.load(state_dict)          # collective; in place like dcp.load; step or None
-    mgr.save(state_dict, step)           # collective planning, then the snapshot; returns
-    mgr.maybe_finalize(blocking=False)   # commits what finished; errors raise on every rank
-    mgr.close()                          # finalizes what is pending, stops the background
+    mgr = TieredCheckpointManager(
+        memory_dir,
+        durable_dir,
+        replication_factor=2,
+        replication_jump=None,
+        durable_every=10,
+        keep_memory=2,
+        keep_durable=2,
+    )  # collective: makes groups
+    step = mgr.load(state_dict)  # collective; in place like dcp.load; step or None
+    mgr.save(state_dict, step)  # collective planning, then the snapshot; returns
+    mgr.maybe_finalize(blocking=False)  # commits what finished; errors raise on every rank
+    mgr.close()  # finalizes what is pending, stops the background
 
 What runs where (see the modules for each decision):
 
@@ -78,13 +84,14 @@ from ..errors import (
 from ..local.replication.group_utils import CliqueGroup, parse_group_sequence
 from ..local.replication.strategies import default_replication_jump
 from ..storage import get_backend
-from ..storage.retention import COMMIT_RECORD, prune_checkpoints
+from ..storage.commit import COMMIT_RECORD
+from ..storage.retention import prune_checkpoints
 from . import _restore
 from ._layout import memory_step_dir, purge_newer, rank_dir, remove_step, step_name
 from ._options import TieredOptions
 from ._phases import PhaseHook, TieredPhase
 from ._replicator import MemorySave, Replicator
-from ._writes import DurableCopyWriter, durable_job_of, memory_job_of, write_tiers
+from ._writes import DurableCopyWriter, durable_job_of, split_save_function, write_tiers
 
 logger = get_logger(__name__)
 
@@ -261,10 +268,11 @@ class TieredCheckpointManager:
         _, metadata, dist_wrapper = save_state_dict_async_plan(
             _plain_state(state_dict), writer, enable_cache=True, metadata_cache=self._cache
         )
+        memory_job, preload_fn, args = split_save_function(writer)
         finalize_fns: list[Callable[[], None]] = []
         durable_job = None
         if durable_writer is not None:
-            durable_writer.adopt(writer)
+            durable_writer.adopt(memory_job, args[1] if len(args) > 1 else [])
             durable_job = durable_job_of(durable_writer)
             durable_md = copy.copy(metadata) if metadata is not None else None
             finalize_fns.append(
@@ -273,13 +281,11 @@ class TieredCheckpointManager:
                 )
             )
         planned = time.perf_counter()
-        memory_job = memory_job_of(writer)
-        _, preload_fn, args = writer.get_save_function_and_args()
         async_fn = None
         if memory_job is not None:
             async_fn = functools.partial(write_tiers, memory_job, durable_job)
         request = self._background_request(
-            AsyncRequest(async_fn, args, finalize_fns, preload_fn=preload_fn)
+            AsyncRequest(async_fn, tuple(args), finalize_fns, preload_fn=preload_fn)
         )
         call_idx = self._queue.schedule_async_request(request)
         staged = time.perf_counter()

@@ -46,9 +46,15 @@ def check_world_size(catalogue: Catalogue, world_size: int) -> None:
 
 
 def check_replication(
-    catalogue: Catalogue, iteration: int, params: dict[str, Any] | None
+    catalogue: Catalogue,
+    iteration: int,
+    params: dict[str, Any] | None | Sequence[dict[str, Any] | None],
 ) -> list[str]:
     """Raise if ``iteration`` was replicated differently; return notes worth a warning.
+
+    ``params``: the replication parameters of every holder, by rank (or one value for all).
+    Each holder's copies are compared with its own parameters, so cliques of different
+    sizes are fine as long as every rank keeps its setup.
 
     A manager without replication may load a replicated checkpoint (the replicas are then
     ignored, as NVRx documents) and a replicating manager may load an unreplicated one;
@@ -57,20 +63,21 @@ def check_replication(
     """
     notes = set()
     for holder, copies in enumerate(catalogue):
+        mine = params[holder] if isinstance(params, Sequence) else params
         for copy in copies:
             if copy.iteration != iteration or copy.replication is None:
                 continue
-            if params is None:
+            if mine is None:
                 if (copy.replication.get("factor") or 1) > 1:
                     notes.add(
                         f"iteration {iteration} was saved with replication "
                         f"{copy.replication} but this manager has no replication strategy: "
                         "replicas are ignored"
                     )
-            elif copy.replication != params:
+            elif copy.replication != mine:
                 raise ConfigurationError(
                     f"local checkpoint {copy.path} (held by rank {holder}) was saved with "
-                    f"replication {copy.replication}, this manager uses {params}; use the "
+                    f"replication {copy.replication}, that rank's manager uses {mine}; use the "
                     "same replication jump and factor (and world size) as when saving"
                 )
     return sorted(notes)

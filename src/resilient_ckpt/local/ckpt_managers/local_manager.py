@@ -11,6 +11,10 @@ the dirty file to its final name and fsyncs the directory (the rename is the com
 without its final name does not exist for readers). ``sync_files=False`` skips the fsyncs
 (faster, not crash-durable).
 
+Files that NVRx wrote in the same layout (``iter_..._local.pt`` without a manifest) are read
+too, so a job that switches keeps its progress; how such a file is judged complete without
+a manifest is explained in :mod:`resilient_ckpt.local._nvrx_format`.
+
 Retention keeps the newest ``keep_latest`` committed iterations of this rank's directory
 (default 1, as NVRx) and deletes older ones only after a newer one is committed.
 """
@@ -27,9 +31,9 @@ import torch
 
 from ..._logging import get_logger
 from ...errors import ConfigurationError, CorruptCheckpointError, StorageError
-from ...storage.commit import fsync_dir
+from ...storage.commit import RenameCommit
 from ...storage.posix import PosixBackend
-from .. import _deleter
+from .. import _deleter, _nvrx_format
 from .._format import read_verified
 from .._manifest import (
     DATA,
@@ -98,6 +102,41 @@ class LocalCheckpointManager(BaseCheckpointManager):
     def local_ckpt_dir(self) -> Path:
         return Path(self.root_local_ckpt_dir) / self.session_id / str(self.rank)
 
+    def _filename_from_template(
+        self, iteration: int | str, rank: int | str, extra_suffix: str = ""
+    ) -> str:
+        """The name NVRx gives rank ``rank``'s file of ``iteration`` (``extra_suffix`` goes
+        before ``.pt``: ``".dirty"`` names the file being written).
+
+        Integers (and digit strings) are padded to seven digits as in every file name here;
+        other strings are used as they are, so patterns (``"*"``, ``"\\d+"``) can be built.
+        """
+        if isinstance(iteration, str) and iteration.isdigit():
+            iteration = int(iteration)
+        if isinstance(iteration, int) and not isinstance(iteration, bool):
+            if iteration < 0:
+                raise ConfigurationError(f"iteration must be >= 0, got {iteration}")
+            iteration = f"{iteration:07d}"
+        return f"iter_{iteration}_{rank}_local{extra_suffix}.pt"
+
+    def _local_ckpt_path_from_id(self, ckpt_id: CkptID, is_dirty: bool = False) -> Path:
+        """Where this rank keeps the copy ``ckpt_id`` = (iteration, owner, session_id)."""
+        iteration, owner, session_id = ckpt_id
+        if session_id != self.session_id:
+            raise ConfigurationError(
+                f"checkpoint id {ckpt_id!r} belongs to session {session_id!r}, this manager "
+                f"to {self.session_id!r}"
+            )
+        suffix = ".dirty" if is_dirty else ""
+        return self.local_ckpt_dir / self._filename_from_template(iteration, owner, suffix)
+
+    def _filename_to_id(self, filename: str) -> CkptID:
+        """(iteration, owner, session_id) of a copy file name (NVRx's inverse of the above)."""
+        parsed = parse_name(filename)
+        if parsed is None:
+            raise ConfigurationError(f"{filename!r} is not the name of a local checkpoint file")
+        return (parsed[0], parsed[1], self.session_id)
+
     def _path(self, name: str) -> str:
         return str(self.local_ckpt_dir / name)
 
@@ -143,10 +182,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
             self._remove(file_name(iteration, owner, MANIFEST), "manifest of an uncommitted copy")
             return None
         if DATA in found and MANIFEST not in found:
-            logger.warning(
-                "%s has no manifest: ignored", self._path(file_name(iteration, owner, DATA))
-            )
-            return None
+            return self._nvrx_copy(iteration, owner)
         if DATA not in found:
             return None
         try:
@@ -183,7 +219,24 @@ class LocalCheckpointManager(BaseCheckpointManager):
             path,
         )
 
+    def _nvrx_copy(self, iteration: int, owner: int) -> CopyInfo | None:
+        """A copy NVRx wrote (no manifest), if the file is one; see ``.._nvrx_format``."""
+        path = self._path(file_name(iteration, owner, DATA))
+        try:
+            if _nvrx_format.is_nvrx_file(path):
+                size = self._backend.size(path)
+                return CopyInfo(
+                    iteration, owner, self.rank, size, -1, self.world_size, None, path, nvrx=True
+                )
+        except OSError as exc:
+            logger.warning("local checkpoint copy %s ignored: %s", path, exc)
+            return None
+        logger.warning("%s has no manifest and was not written by NVRx: ignored", path)
+        return None
+
     def _read_copy(self, copy: CopyInfo) -> torch.Tensor:
+        if copy.nvrx:
+            return _nvrx_format.read_verified_nvrx(copy.path)
         return read_verified(copy.path, copy.size, copy.crc32)
 
     # -- save -------------------------------------------------------------------------------
@@ -241,14 +294,14 @@ class LocalCheckpointManager(BaseCheckpointManager):
 
     def _commit(self, iteration: int) -> None:
         self._backend.delete(self._status_path(iteration))
-        for owner in self._pending.pop(iteration, []):
-            dirty = self._path(file_name(iteration, owner, DIRTY))
-            try:
-                os.replace(dirty, self._path(file_name(iteration, owner, DATA)))
-            except OSError as exc:
-                raise StorageError(f"committing {dirty} failed: {exc}") from exc
-        if self.sync_files:
-            fsync_dir(str(self.local_ckpt_dir))
+        renames = [
+            (
+                self._path(file_name(iteration, owner, DIRTY)),
+                self._path(file_name(iteration, owner, DATA)),
+            )
+            for owner in self._pending.pop(iteration, [])
+        ]
+        RenameCommit(str(self.local_ckpt_dir), renames, sync=self.sync_files).commit()
 
     # -- retention --------------------------------------------------------------------------
 

@@ -10,19 +10,52 @@ afterwards).
 
 Sizes travel first (an ``all_gather_object`` of a few integers, or a two-integer message
 per transfer), so every receiver allocates exactly the bytes it gets.
+
+NVRx's names live here too, for code written against it: ``GroupWrapper`` (Megatron-LM
+builds its replication groups with ``GroupWrapper.from_list_of_groups`` and hands the
+wrapper to ``CliqueReplicationStrategy``, which accepts it), ``ProcessGroupLike`` and
+``batched``. ``GroupWrapper`` keeps NVRx's object-then-tensors exchanges for callers that
+use them directly; the strategies here do not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import islice
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ... import _dist
 from ...errors import CheckpointingException, ConfigurationError
+from ._group_wrapper import GroupWrapper
+
+__all__ = [
+    "CliqueGroup",
+    "ExchangePlan",
+    "ExchangePlanEntry",
+    "GroupWrapper",
+    "ProcessGroupLike",
+    "batched",
+    "parse_group_sequence",
+]
+
+T = TypeVar("T")
+
+# What NVRx's signatures accept as a group: a wrapper or a torch process group.
+ProcessGroupLike = GroupWrapper | dist.ProcessGroup
+
+
+def batched(iterable: Iterable[T], n: int) -> Iterator[tuple[T, ...]]:
+    """Consecutive tuples of ``n`` items (the last may be shorter), as Python 3.12's
+    ``itertools.batched``."""
+    if not isinstance(n, int) or n < 1:
+        raise ConfigurationError(f"batch size must be an int >= 1, got {n!r}")
+    iterator = iter(iterable)
+    while batch := tuple(islice(iterator, n)):
+        yield batch
 
 
 def parse_group_sequence(
@@ -46,11 +79,10 @@ def parse_group_sequence(
             f"{replication_jump} apart: the world size must be divisible by jump*factor="
             f"{replication_jump * replication_factor}"
         )
-    cliques = []
+    cliques: list[list[int]] = []
     for base in range(replication_jump):
-        column = list(range(base, world_size, replication_jump))
-        for start in range(0, len(column), replication_factor):
-            cliques.append(column[start : start + replication_factor])
+        column = range(base, world_size, replication_jump)
+        cliques.extend(list(run) for run in batched(column, replication_factor))
     return sorted(cliques)
 
 
@@ -67,7 +99,7 @@ class ExchangePlanEntry:
 class ExchangePlan:
     """Who sends which checkpoint id to whom; identical on every member of ``group``."""
 
-    group: CliqueGroup
+    group: Any  # a CliqueGroup, or NVRx's GroupWrapper
     _entries: list[ExchangePlanEntry] = field(default_factory=list)
 
     def plan(self, sender: int, receiver: int, id_: Hashable) -> None:
@@ -79,7 +111,7 @@ class ExchangePlan:
 
     def required_ids(self, rank: int | None = None) -> set[Hashable]:
         """Ids that ``rank`` (default: this process) must provide."""
-        rank = self.group.my_rank if rank is None else rank
+        rank = dist.get_rank() if rank is None else rank
         return {e.id_ for e in self._entries if e.sender == rank}
 
 
@@ -96,7 +128,12 @@ class CliqueGroup:
 
     @staticmethod
     def wrap(group: Any) -> CliqueGroup:
-        return group if isinstance(group, CliqueGroup) else CliqueGroup(group)
+        """A clique over ``group``: a process group, None, or NVRx's ``GroupWrapper``."""
+        if isinstance(group, CliqueGroup):
+            return group
+        if isinstance(group, GroupWrapper):
+            return CliqueGroup(group.group)
+        return CliqueGroup(group)
 
     @property
     def ranks(self) -> list[int]:

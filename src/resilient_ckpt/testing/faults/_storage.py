@@ -113,9 +113,9 @@ class FaultyBackend(StorageBackend):
     def size(self, path: str) -> int:
         return self.inner.size(path)
 
-    def delete(self, path: str, *, recursive: bool = False) -> None:
+    def delete(self, path: str, *, recursive: bool = False, sync: bool = False) -> None:
         self.injector.fire(Phase.DELETE, path)
-        self.inner.delete(path, recursive=recursive)
+        self.inner.delete(path, recursive=recursive, sync=sync)
 
     def join(self, *parts: str) -> str:
         return self.inner.join(*parts)
@@ -222,7 +222,7 @@ class FaultyWriter(FileSystemWriterAsync):
         self._injector.fire(Phase.MAKEDIRS, self.checkpoint_dir)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
 
-    def get_save_function_and_args(self) -> tuple[Any, Any, tuple]:
+    def get_save_function_and_args(self) -> tuple[Any, Any, list]:
         save_fn, preload_fn, args = super().get_save_function_and_args()
         if save_fn is not None and self.faults:
             save_fn = FaultyCall(save_fn, self.faults, self._rank())

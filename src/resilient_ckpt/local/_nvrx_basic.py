@@ -1,0 +1,28 @@
+"""NVRx's ``BasicTensorAwareStateDict``, unpickled as ours (see :mod:`._nvrx_format`).
+
+NVRx's class pickles two attributes, ``state_dict`` and ``_is_hollow``, and accepts CUDA
+tensors only: its ``restore_tensor_device`` moves every tensor to CUDA. Ours also records
+where each tensor came from (``_origin``), so the migrated object is given CUDA as the
+origin of every tensor, and is ours from then on (``type(state)`` is
+:class:`~resilient_ckpt.local.basic_state_dict.BasicTensorAwareStateDict`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .basic_state_dict import BasicTensorAwareStateDict
+
+
+class MigratedBasicStateDict(BasicTensorAwareStateDict):
+    """Only ever seen during unpickling: ``__setstate__`` turns it into ours."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__class__ = BasicTensorAwareStateDict  # type: ignore[assignment]
+        self.state_dict = state["state_dict"]
+        self._is_hollow = bool(state.get("_is_hollow", False))
+        self._origin = None
+        if not self._is_hollow:
+            self._origin = [torch.device("cuda") for _ in self.tensors]

@@ -1,0 +1,109 @@
+"""Saving a ``TensorAwareStateDict`` that cannot be taken apart, as one pickled object.
+
+Some states implement only part of the interface: ``copy_tensors_to_cpu`` and
+``restore_tensor_device`` (and pickling), with ``pop_tensors``/``insert_tensors`` raising
+``NotImplementedError``. NVRx saves such an object whole with ``torch.save`` when
+replication is off, and its own tests rely on that.
+
+Decision: such a state is serialized *at save time*, in the trainer, into one byte string
+(``torch.save`` of the object after ``copy_tensors_to_cpu``), and that byte string becomes
+the single tensor of a :class:`WholeObject`. From there on it is an ordinary shard: the same
+file format, manifest, CRC-32, commit protocol and, because replication exchanges
+serialized shards rather than the user's object, the same replication, so replication
+never needs the methods the state lacks. Serializing at save time also makes the save a
+snapshot: training may change the state as soon as ``save`` returns, which NVRx's
+asynchronous path does not allow.
+
+The cost is a full host copy of the state in the trainer (no zero-copy staging); states
+that implement ``pop_tensors`` keep the fast path. Only when a state cannot be brought to
+the host at all (``copy_tensors_to_cpu`` or ``restore_tensor_device`` missing too) does
+``save`` refuse, naming what is missing.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointingException, ConfigurationError
+from .base_state_dict import TensorAwareStateDict
+
+__all__ = ["WholeObject", "snapshot_whole"]
+
+
+class WholeObject(TensorAwareStateDict):
+    """A user's state as its ``torch.save`` bytes: a one-tensor ``TensorAwareStateDict``."""
+
+    def __init__(self, data: torch.Tensor, type_name: str) -> None:
+        self._data: torch.Tensor | None = data
+        self._nbytes = int(data.numel())
+        self.type_name = type_name
+
+    @property
+    def is_hollow(self) -> bool:
+        return self._data is None
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        if self._data is None:
+            raise CheckpointingException("WholeObject is hollow")
+        return [self._data]
+
+    def pop_tensors(self) -> list[torch.Tensor]:
+        popped = self.tensors
+        self._data = None
+        return popped
+
+    def insert_tensors(self, tensor_data: Any) -> None:
+        (self._data,) = list(tensor_data)
+
+    def init_tensors(self) -> None:
+        self._data = torch.empty(self._nbytes, dtype=torch.uint8)
+
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        """The bytes are on the host already."""
+
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        """The bytes stay on the host; :meth:`unwrap` gives the user's object."""
+
+    def unwrap(self) -> TensorAwareStateDict:
+        """The user's object, as ``torch.load`` rebuilds it (tensors on the host)."""
+        raw = self.tensors[0].numpy().tobytes()
+        # Trusted input, as torch.load(weights_only=False) in NVRx: the job wrote it.
+        return torch.load(io.BytesIO(raw), weights_only=False)  # type: ignore[no-any-return]
+
+
+def _missing(exc: BaseException, state: Any, method: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"cannot save {type(state).__name__}: pop_tensors() is not implemented, so the state "
+        f"is saved whole, which needs {method}() (it raised {type(exc).__name__}: {exc}). "
+        "Implement pop_tensors/insert_tensors (saved tensor by tensor, zero-copy) or "
+        "copy_tensors_to_cpu/restore_tensor_device (saved whole with torch.save)"
+    )
+
+
+def snapshot_whole(state: TensorAwareStateDict) -> WholeObject:
+    """``state`` serialized now; ``state`` is left with its tensors on their devices."""
+    try:
+        state.copy_tensors_to_cpu(non_blocking=False)
+    except NotImplementedError as exc:
+        raise _missing(exc, state, "copy_tensors_to_cpu") from exc
+    try:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+    except Exception as exc:
+        raise ConfigurationError(
+            f"cannot save {type(state).__name__} whole: torch.save failed with "
+            f"{type(exc).__name__}: {exc}. Every attribute must be picklable (no lambdas, open "
+            "files, locks or process groups)"
+        ) from exc
+    finally:
+        try:
+            state.restore_tensor_device(non_blocking=False)
+        except NotImplementedError as exc:
+            raise _missing(exc, state, "restore_tensor_device") from exc
+    # No copy: the tensor keeps the buffer (and so the BytesIO) alive.
+    data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
+    return WholeObject(data, type(state).__qualname__)

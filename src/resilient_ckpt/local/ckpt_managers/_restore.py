@@ -1,0 +1,230 @@
+"""Restoring local checkpoints: ``find_latest`` and ``load`` (see ``base_manager``).
+
+``find_latest`` gathers every rank's catalogue of committed copies and, newest iteration
+first, verifies in at most two agreed rounds that every shard has a valid copy somewhere:
+each holder reads its own copy and the replicas of owners that hold none, then, only if a
+shard is still without a verified copy, the remaining replicas of that shard. Verified
+bytes stay cached for ``load``, which reads this rank's own copy or, with replication,
+receives it through the strategy's retrieve plan and checks it against the sender's
+manifest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..._logging import get_logger
+from ...config import default_timeouts
+from ...errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+)
+from .. import _format, _nvrx_format
+from .._agreement import agree, agree_gather
+from .._format import (
+    ShardBuffer,
+    crc_of,
+    deserialize,
+    plan_shard,
+    serialize,
+)
+from .._manifest import CopyInfo
+from ..base_state_dict import TensorAwareStateDict
+from . import _catalogue
+from ._manager_base import CkptID, ManagerBase
+
+logger = get_logger(__name__)
+
+
+class RestoreSteps(ManagerBase):
+    """``find_latest`` and ``load`` of :class:`~.base_manager.BaseCheckpointManager`."""
+
+    def find_latest(self) -> int:
+        """The newest iteration whose every shard has a valid copy somewhere, or -1.
+
+        Cached until the next save (so the usual ``find_latest(); load()`` reads once).
+        All ranks call it at once.
+        """
+        if self.latest_iteration != -1:
+            return self.latest_iteration
+        started = time.perf_counter()
+        self._background.drain(default_timeouts().finalize)
+        self._drop_cache()
+        # Each rank's replication setup travels with its catalogue: cliques may differ in
+        # size (NVRx allows any partition), and a rank's copies are checked against its own.
+        _, scans = agree_gather(
+            "local checkpoint scan",
+            lambda: (None, (self._list_copies(set(self._inflight)), self._replication_params())),
+        )
+        catalogue = [scan[0] for scan in scans]
+        self._catalogue = catalogue
+        _catalogue.check_world_size(catalogue, self.world_size)
+        use_replicas = self.repl_strategy is not None
+        latest = -1
+        for iteration in _catalogue.candidate_iterations(catalogue, self.world_size, use_replicas):
+            for note in _catalogue.check_replication(
+                catalogue, iteration, [scan[1] for scan in scans]
+            ):
+                logger.warning("%s", note)
+            holders = self._verify_iteration(iteration, use_replicas)
+            if holders is not None:
+                latest = iteration
+                self.globally_available_ids = holders
+                break
+        self._discard_newer(latest)
+        self.latest_iteration = latest
+        logger.info("find_latest: iteration %d (%.3fs)", latest, time.perf_counter() - started)
+        return latest
+
+    def _try_verify(self, copy: CopyInfo) -> bool:
+        try:
+            buffer = self._read_copy(copy)
+        except (CorruptCheckpointError, OSError) as exc:
+            logger.warning("bad local checkpoint file %s, treated as missing: %s", copy.path, exc)
+            return False
+        self._verified[self._ckpt_id(copy.iteration, copy.owner)] = buffer
+        return True
+
+    def _first_round(self, holder: int, iteration: int, use_replicas: bool) -> list[CopyInfo]:
+        """Copies ``holder`` verifies first: its own, and replicas of owners that hold none.
+
+        Decided from the catalogue alone, so every rank knows every rank's choice. After a
+        node loss this reads the lost shards at once, in parallel with the holder's own.
+        """
+        copies = _catalogue.copies_of(self._catalogue, holder, iteration)
+        if not use_replicas:
+            return [c for c in copies if c.owner == holder]
+        present = {
+            r
+            for r in range(self.world_size)
+            if _catalogue.find_copy(self._catalogue, r, iteration, r) is not None
+        }
+        return [c for c in copies if c.owner == holder or c.owner not in present]
+
+    def _verify_all(self, copies: list[CopyInfo]) -> list[int]:
+        """Owners of the ``copies`` whose checksums verify (read in parallel)."""
+        if len(copies) <= 1:
+            return [c.owner for c in copies if self._try_verify(c)]
+        with ThreadPoolExecutor(min(len(copies), 4), "resilient_ckpt-verify") as pool:
+            results = list(pool.map(self._try_verify, copies))
+        return [c.owner for c, ok in zip(copies, results, strict=True) if ok]
+
+    def _verify_iteration(
+        self, iteration: int, use_replicas: bool
+    ) -> dict[int, list[CkptID]] | None:
+        """Holders of a verified copy of each shard (by rank), or None if a shard has none.
+
+        Round one verifies the copies of :meth:`_first_round`; a second round, only if some
+        shard is still without a verified copy (a corrupt owner copy), verifies the other
+        replicas of those shards.
+        """
+        me, world = self.rank, self.world_size
+        first = self._first_round(me, iteration, use_replicas)
+        _, verified = agree_gather(
+            "local checkpoint verification", lambda: (None, self._verify_all(first))
+        )
+        owners_by_holder: list[list[int]] = [list(v) for v in verified]
+        missing = [r for r in range(world) if not any(r in v for v in verified)]
+        untried = [
+            [
+                c
+                for c in _catalogue.copies_of(self._catalogue, holder, iteration)
+                if c.owner in missing
+                and c not in self._first_round(holder, iteration, use_replicas)
+            ]
+            for holder in range(world)
+        ]
+        if use_replicas and any(untried):
+            _, more = agree_gather(
+                "local checkpoint replica verification",
+                lambda: (None, self._verify_all(untried[me])),
+            )
+            for holder, owners in enumerate(more):
+                owners_by_holder[holder].extend(owners)
+            missing = [r for r in missing if not any(r in o for o in more)]
+        if missing:
+            logger.warning(
+                "iteration %d is not complete: no valid copy of the shard(s) of rank(s) %s",
+                iteration,
+                missing,
+            )
+            self._drop_cache()
+            return None
+        return {
+            holder: [self._ckpt_id(iteration, owner) for owner in owners]
+            for holder, owners in enumerate(owners_by_holder)
+        }
+
+    def _discard_newer(self, latest: int) -> None:
+        mine = self._catalogue[self.rank] if self._catalogue else []
+        stale = sorted({c.iteration for c in mine if c.iteration > latest} - self._inflight)
+        if stale:
+            logger.warning("deleting incomplete local checkpoint iteration(s) %s", stale)
+            self._discard(stale)
+
+    def load(self) -> tuple[TensorAwareStateDict, CkptID]:
+        """Load this rank's shard of the iteration ``find_latest`` found. Collective."""
+        if self.latest_iteration == -1:
+            raise CheckpointingException(
+                "load() needs a complete checkpoint: call find_latest() first (on every rank); "
+                "it returned -1 or was not called"
+            )
+        started = time.perf_counter()
+        self._background.drain(default_timeouts().finalize)
+        my_id = self._ckpt_id(self.latest_iteration)
+        try:
+            if self.repl_strategy is None:
+                buffer = agree("local checkpoint read", lambda: self._buffer_of(my_id))
+            else:
+                buffer = self._retrieve(my_id)
+            state = deserialize(buffer)
+            state.restore_tensor_device(non_blocking=False)
+        finally:
+            self._drop_cache()
+        logger.info(
+            "loaded local checkpoint %s: %d bytes in %.3fs",
+            my_id,
+            buffer.numel(),
+            time.perf_counter() - started,
+        )
+        return state, my_id
+
+    def _buffer_of(self, ckpt_id: CkptID) -> torch.Tensor:
+        cached = self._verified.get(ckpt_id)
+        if cached is not None:
+            return cached
+        copy = _catalogue.find_copy(self._catalogue, self.rank, ckpt_id[0], ckpt_id[1])
+        if copy is None:
+            raise CheckpointingException(f"rank {self.rank} holds no copy of {ckpt_id}")
+        return self._read_copy(copy)
+
+    def _retrieve(self, my_id: CkptID) -> torch.Tensor:
+        strategy = self.repl_strategy
+        if strategy is None:
+            raise CheckpointingException("no replication strategy")
+        plan = strategy.retrieve_plan(self.globally_available_ids, [my_id])
+        my_data: dict[Hashable, TensorAwareStateDict] = agree(
+            "local checkpoint read of copies to send",
+            lambda: {i: ShardBuffer(self._buffer_of(i)) for i in plan.required_ids()},  # type: ignore[arg-type]
+        )
+        received = strategy.retrieve_execute(plan, my_data)
+        shard = received[my_id]
+        buffer = shard.data if isinstance(shard, ShardBuffer) else serialize(plan_shard(shard))
+        sender = next(e.sender for e in plan.entries if e.receiver == self.rank and e.id_ == my_id)
+        if sender != self.rank:
+            self._check_received(buffer, sender, my_id)
+        return buffer
+
+    def _check_received(self, buffer: torch.Tensor, sender: int, ckpt_id: CkptID) -> None:
+        copy = _catalogue.find_copy(self._catalogue, sender, ckpt_id[0], ckpt_id[1])
+        if copy is not None and copy.nvrx:
+            _nvrx_format.verify(_format.bytes_view(buffer), f"copy of {ckpt_id} from rank {sender}")
+        elif copy is not None and crc_of(buffer) != copy.crc32:
+            raise CorruptCheckpointError(
+                f"copy of {ckpt_id} received from rank {sender} does not match its checksum"
+            )
+        logger.info("received shard %s from rank %d (%d bytes)", ckpt_id, sender, buffer.numel())
