@@ -179,16 +179,16 @@ def test_verify_tree_reports_each_checkpoint(ckpts, capsys, tmp_path) -> None:
 
 
 def test_progress_counts_every_byte_verified(ckpts, tmp_path) -> None:
-    from resilient_ckpt import _catalog
+    from resilient_ckpt.cli import checkpoints
 
     fresh = str(tmp_path / "fresh")
     dcp.save(_state(5), storage_writer=FileSystemWriterAsync(fresh))
     seen: list[int] = []
-    reports = _catalog.verify_all(fresh, progress=seen.append)
+    reports = checkpoints.verify_all(fresh, progress=seen.append)
     data = sum(os.path.getsize(os.path.join(fresh, n)) for n in os.listdir(fresh) if ".distcp" in n)
     assert reports[0].ok and reports[0].checks == "crc32" and sum(seen) == data
     seen.clear()
-    assert all(r.ok for r in _catalog.verify_all(ckpts["file"], progress=seen.append))
+    assert all(r.ok for r in checkpoints.verify_all(ckpts["file"], progress=seen.append))
     assert sum(seen) == os.path.getsize(ckpts["file"])
 
 

@@ -18,7 +18,6 @@ import torch
 import torch.distributed
 import torch.distributed.checkpoint as dcp
 
-from resilient_ckpt._catalog import discover
 from resilient_ckpt.async_ckpt._files import fsync_dir
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
@@ -27,6 +26,7 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
+from resilient_ckpt.cli.checkpoints import discover
 from resilient_ckpt.local import (
     BasicTensorAwareStateDict,
     CliqueReplicationStrategy,

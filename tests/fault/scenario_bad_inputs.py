@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from resilient_ckpt import errors
-from resilient_ckpt._catalog import discover
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import save_state_dict_async_plan
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 from resilient_ckpt.async_ckpt.verify import verify_checkpoint
+from resilient_ckpt.cli.checkpoints import discover
 from resilient_ckpt.config import Timeouts, default_timeouts, local_world_size
 from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from resilient_ckpt.testing.faults import Action, Fault, Phase, flip_byte

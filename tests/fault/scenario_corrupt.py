@@ -26,8 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from resilient_ckpt._catalog import discover
 from resilient_ckpt.async_ckpt.verify import verify_checkpoint
+from resilient_ckpt.cli.checkpoints import discover
 from resilient_ckpt.errors import CorruptCheckpointError
 from resilient_ckpt.local import BasicTensorAwareStateDict
 from resilient_ckpt.local._manifest import DATA, file_name

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from resilient_ckpt import _catalog
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+from resilient_ckpt.cli import checkpoints
 from resilient_ckpt.cli import main as cli_main
 from resilient_ckpt.storage import get_backend, list_checkpoints, prune_checkpoints
 
@@ -49,7 +49,7 @@ def _check_listing_and_retention(root: str, capsys) -> None:
         (4, False),
     ]
 
-    entries = _catalog.discover(root, verify=True)
+    entries = checkpoints.discover(root, verify=True)
     dcp_entries = [e for e in entries if e.kind == "dcp"]
     assert [(e.iteration, e.complete) for e in dcp_entries] == [
         (i, i in (1, 2, 3)) for i in range(5)

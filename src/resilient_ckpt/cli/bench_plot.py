@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 _PANELS = {
     "stall": "Trainer stall per save (s, log scale; lower is better)",

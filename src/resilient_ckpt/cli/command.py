@@ -1,16 +1,7 @@
 """``resilient-ckpt``: list, verify, inspect and convert checkpoints; run the demo and benchmarks.
 
-Every verb prints a table for people and, with ``--json`` (before or after the verb), one
-JSON document on stdout for programs. Long work (``verify``, ``ls --verify``, ``convert``)
-shows a progress bar on stderr when stderr is a terminal (``--no-progress`` hides it; it is
-never shown with ``--json``). Exit status: 0 on success, 1 when a checkpoint fails
-verification or a run fails, 2 on bad usage. The verbs work on DCP checkpoint directories
-(ours and plain ``dcp.save`` ones), local per-rank checkpoints (``LocalCheckpointManager``'s
-root or a session directory) and ``torch.save`` files.
-
-The command is a thin layer: what a checkpoint is and how it is checked lives in
-``_catalog`` (and ``_catalog_local``, ``_convert``); benchmark runs and plots in
-``_bench_plot`` and the scripts of ``benchmarks/``.
+Argument parsing and the verbs; every verb is a thin layer over the other modules of this
+package (see its docstring).
 """
 
 from __future__ import annotations
@@ -18,14 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from . import _catalog
-from .errors import CheckpointingException
+from ..errors import CheckpointingException
+from . import bench, checkpoints
 
 
 def _emit(
@@ -66,17 +55,17 @@ def _progress_bar(args: argparse.Namespace, total: int, desc: str) -> Any:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     if args.verify:
-        with _progress_bar(args, _catalog.total_bytes(args.path), "verifying") as bar:
-            entries = _catalog.discover(args.path, verify=True, progress=bar.update)
+        with _progress_bar(args, checkpoints.total_bytes(args.path), "verifying") as bar:
+            entries = checkpoints.discover(args.path, verify=True, progress=bar.update)
     else:
-        entries = _catalog.discover(args.path)
+        entries = checkpoints.discover(args.path)
     rows = [
         [
             e.kind,
             e.path,
             e.iteration if e.iteration is not None else "-",
             e.world_size if e.world_size is not None else "-",
-            _catalog.human(e.nbytes),
+            checkpoints.human(e.nbytes),
             "yes" if e.complete else "NO",
             {True: "ok", False: "FAILED", None: "-"}[e.verified],
         ]
@@ -101,15 +90,15 @@ _CHECKS = {
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    with _progress_bar(args, _catalog.total_bytes(args.path), "verifying") as bar:
-        reports = _catalog.verify_all(args.path, progress=bar.update)
+    with _progress_bar(args, checkpoints.total_bytes(args.path), "verifying") as bar:
+        reports = checkpoints.verify_all(args.path, progress=bar.update)
     ok = all(r.ok for r in reports) and bool(reports)
     if args.json:
         _emit(args, {"ok": ok, "checkpoints": [r.as_dict() for r in reports]}, None)
     for r in reports if not args.json else []:
         checks = f", {_CHECKS.get(r.checks, r.checks)}" if r.checks else ""
         status = "ok    " if r.ok else "FAILED"
-        print(f"{status}  {r.kind:5s}  {r.path}  ({_catalog.human(r.nbytes)}{checks})")
+        print(f"{status}  {r.kind:5s}  {r.path}  ({checkpoints.human(r.nbytes)}{checks})")
         for problem in r.problems:
             print(f"        - {problem}")
     if not reports:
@@ -121,26 +110,26 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    tensors = _catalog.inspect(args.path)
+    tensors = checkpoints.inspect(args.path)
     rows = [
         [
             t["key"],
             t["dtype"],
             "x".join(map(str, t["shape"])) or "scalar",
-            _catalog.human(t["nbytes"]),
+            checkpoints.human(t["nbytes"]),
         ]
         for t in tensors
     ]
     _emit(args, tensors, rows, ["key", "dtype", "shape", "bytes"])
     if not args.json:
-        print(f"{len(tensors)} tensors, {_catalog.human(sum(t['nbytes'] for t in tensors))}")
+        print(f"{len(tensors)} tensors, {checkpoints.human(sum(t['nbytes'] for t in tensors))}")
     return 0
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    total = 2 * _catalog.total_bytes(args.src)  # read once, written once
+    total = 2 * checkpoints.total_bytes(args.src)  # read once, written once
     with _progress_bar(args, total, "converting") as bar:
-        kind = _catalog.convert(args.src, args.dst, progress=bar.update)
+        kind = checkpoints.convert(args.src, args.dst, progress=bar.update)
     nbytes = (
         sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(args.dst) for f in files)
         if os.path.isdir(args.dst)
@@ -148,12 +137,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     )
     _emit(args, {"src": args.src, "dst": args.dst, "conversion": kind, "bytes": nbytes}, None)
     if not args.json:
-        print(f"converted {args.src} -> {args.dst} ({kind}, {_catalog.human(nbytes)})")
+        print(f"converted {args.src} -> {args.dst} ({kind}, {checkpoints.human(nbytes)})")
     return 0
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    from .storage.retention import prune_checkpoints
+    from ..storage.retention import prune_checkpoints
 
     doomed = prune_checkpoints(args.path, keep_latest=args.keep, dry_run=args.dry_run)
     _emit(args, {"deleted": [] if args.dry_run else doomed, "would_delete": doomed}, None)
@@ -165,78 +154,8 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_dir() -> str | None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    candidates = [
-        os.path.join(os.getcwd(), "benchmarks"),
-        os.path.join(os.path.dirname(os.path.dirname(here)), "benchmarks"),
-    ]
-    return next((c for c in candidates if os.path.isdir(c)), None)
-
-
-def _run_streaming(cmd: list[str], out: Any) -> int:
-    """Run ``cmd`` with its stdout going to ``out``: straight to its file descriptor when it
-    has one (tables appear as they are printed), else copied when it ends (pytest's capture,
-    an io.StringIO)."""
-    try:
-        fd = out.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
-        fd = None
-    if fd is not None:
-        out.flush()
-        return subprocess.run(cmd, stdout=fd).returncode
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    out.write(done.stdout)
-    return done.returncode
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    bench_dir = _bench_dir()
-    if bench_dir is None:
-        print("benchmarks/ not found: run from a checkout of resilient_ckpt", file=sys.stderr)
-        return 2
-    names = args.only.split(",") if args.only else _catalog.DEFAULT_BENCHMARKS
-    extra = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
-    if extra and len(names) != 1:
-        print("extra benchmark arguments need --only with one benchmark", file=sys.stderr)
-        return 2
-    for name in names:
-        if not os.path.exists(os.path.join(bench_dir, f"{name}.py")):
-            print(f"no benchmark {name!r} in {bench_dir}", file=sys.stderr)
-            return 2
-    if args.plot:
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            print("--plot needs matplotlib: pip install 'resilient-ckpt[plot]'", file=sys.stderr)
-            return 2
-    results = []
-    # With --json stdout carries only the JSON document; the tables go to stderr.
-    out = sys.stderr if args.json else sys.stdout
-    with tempfile.TemporaryDirectory(prefix="rc_bench_json_") as tmp:
-        for name in names:
-            json_path = os.path.join(tmp, f"{name}.json")
-            script = os.path.join(bench_dir, f"{name}.py")
-            cmd = [sys.executable, script, *_catalog.bench_defaults(name, args.quick), *extra]
-            print(f"$ {' '.join(cmd)}", file=out, flush=True)
-            code = _run_streaming([*cmd, "--json", json_path], out)
-            if code != 0:
-                print(f"benchmark {name} failed with exit code {code}", file=sys.stderr)
-                return 1
-            with open(json_path) as f:
-                results.append(json.load(f))
-    if args.plot:
-        from . import _bench_plot
-
-        drawn = _bench_plot.plot(results, args.plot)
-        print(f"plotted {drawn} figures to {args.plot}", file=out)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    return 0
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo.orchestrate import main as demo_main
+    from ..demo.orchestrate import main as demo_main
 
     return demo_main(args.demo_args)
 
@@ -281,11 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the benchmarks with sensible defaults",
         description="Arguments after `--` go to the benchmark script (with --only NAME).",
     )
-    p.add_argument("--only", help="comma-separated names: " + ",".join(_catalog.DEFAULT_BENCHMARKS))
+    p.add_argument("--only", help="comma-separated names: " + ",".join(bench.DEFAULT_BENCHMARKS))
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     p.add_argument("--plot", metavar="PNG", help="draw stall and throughput against references")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=bench.run)
     p = sub.add_parser("demo", help="what `make demo` runs (see `demo --help`)", add_help=False)
     p.add_argument("demo_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_demo)
@@ -302,7 +221,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointingException, FileNotFoundError) as exc:
         print(f"resilient-ckpt {args.command}: {exc}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

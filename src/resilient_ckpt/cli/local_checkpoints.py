@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointingException, ConfigurationError
-from .local._format import check_against_manifest, deserialize, read_verified
-from .local._manifest import DATA, MANIFEST, Manifest, file_name, parse_name
-from .storage import PosixBackend, StorageBackend, get_backend
-from .storage.base import Listing
-from .utils import preload_tensors
+from ..errors import CheckpointingException, ConfigurationError
+from ..local._format import check_against_manifest, deserialize, read_verified
+from ..local._manifest import DATA, MANIFEST, Manifest, file_name, parse_name
+from ..storage import PosixBackend, StorageBackend, get_backend
+from ..storage.base import Listing
+from ..utils import preload_tensors
 
 _CHUNK = 8 << 20
 

@@ -20,13 +20,12 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointingException, ConfigurationError
-from .storage import StorageBackend, get_backend
-from .storage.base import Listing, is_msc_url
+from ..errors import CheckpointingException, ConfigurationError
+from ..storage import StorageBackend, get_backend
+from ..storage.base import Listing, is_msc_url
 
 Progress = Callable[[int], None]
 
-DEFAULT_BENCHMARKS = ["async_save", "dcp_save", "local_ckpt"]
 _METADATA = ".metadata"
 
 
@@ -124,7 +123,7 @@ def read_dcp_metadata(path: str) -> Any:
 
 
 def verify_dcp(path: str, progress: Progress | None = None) -> Report:
-    from .async_ckpt.verify import verify_checkpoint
+    from ..async_ckpt.verify import verify_checkpoint
 
     try:
         result = verify_checkpoint(path, progress=progress)
@@ -135,10 +134,10 @@ def verify_dcp(path: str, progress: Progress | None = None) -> Report:
         return Report("dcp", path, True, [], result.nbytes, checks="crc32")
     # No checksums recorded (a plain dcp.save): sizes were checked; reading every item back
     # catches what sizes cannot (a truncated or garbled pickle, an unreadable tensor).
-    from . import _convert
+    from . import conversion
 
     try:
-        _convert.load_dcp(path, progress)
+        conversion.load_dcp(path, progress)
     except BaseException as exc:  # CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -199,9 +198,9 @@ def _local_entries(
     verify: bool,
     progress: Progress | None,
 ) -> list[Entry] | None:
-    from . import _catalog_local
+    from . import local_checkpoints
 
-    if not _catalog_local.is_session_dir(path, backend=backend, listing=listing):
+    if not local_checkpoints.is_session_dir(path, backend=backend, listing=listing):
         return None
     return [
         Entry(
@@ -215,7 +214,7 @@ def _local_entries(
             r["problems"],
             "crc32" if verify else "",
         )
-        for r in _catalog_local.summarize(path, verify, progress, backend=backend)
+        for r in local_checkpoints.summarize(path, verify, progress, backend=backend)
     ]
 
 
@@ -284,10 +283,10 @@ def inspect(path: str) -> list[dict[str, Any]]:
     if backend.exists(path) and not backend.is_dir(path):
         _describe("", _load_file(path), out)
         return out
-    from . import _catalog_local
+    from . import local_checkpoints
 
-    if _catalog_local.is_session_dir(path):
-        _describe("", _catalog_local.load_iteration(path), out)
+    if local_checkpoints.is_session_dir(path):
+        _describe("", local_checkpoints.load_iteration(path), out)
         return out
     raise ConfigurationError(
         f"{path!r} is not a DCP checkpoint, a local checkpoint session or a checkpoint file"
@@ -295,25 +294,25 @@ def inspect(path: str) -> list[dict[str, Any]]:
 
 
 def _load_file(path: str, progress: Progress | None = None) -> Any:
-    from . import _catalog_local, _convert
-    from .local._manifest import parse_name
+    from ..local._manifest import parse_name
+    from . import conversion, local_checkpoints
 
     if is_msc_url(path):
         backend = get_backend(path)
         with backend.open_read(path) as f:
             return torch.load(f, map_location="cpu", weights_only=False)
     if parse_name(os.path.basename(path)):
-        shard = _catalog_local.load_shard(path)
+        shard = local_checkpoints.load_shard(path)
         if progress is not None:
             progress(os.path.getsize(path))
         return shard
-    return _convert.load_file(path, progress)
+    return conversion.load_file(path, progress)
 
 
 def convert(src: str, dst: str, progress: Progress | None = None) -> str:
     """Convert ``src`` into ``dst``; returns what was done. ``progress`` gets byte counts
     (read, then written: about twice the checkpoint's size in all)."""
-    from . import _convert
+    from . import conversion
 
     if is_msc_url(src) or is_msc_url(dst):
         raise ConfigurationError(
@@ -323,17 +322,17 @@ def convert(src: str, dst: str, progress: Progress | None = None) -> str:
     if os.path.isdir(src) and _is_dcp_dir(src):
         if not os.path.exists(os.path.join(src, _METADATA)):
             raise ConfigurationError(f"{src!r} is not committed (no .metadata); nothing to convert")
-        _convert.dcp_to_torch(src, dst, progress)
+        conversion.dcp_to_torch(src, dst, progress)
         return "dcp -> torch.save"
-    from . import _catalog_local
-    from .local._manifest import parse_name
+    from ..local._manifest import parse_name
+    from . import local_checkpoints
 
     if os.path.isfile(src) and parse_name(os.path.basename(src)):
-        _convert.save_file(_load_file(src, progress), dst, progress)
+        conversion.save_file(_load_file(src, progress), dst, progress)
         return "local shard -> torch.save"
-    if os.path.isdir(src) and _catalog_local.is_session_dir(src):
-        state = _catalog_local.load_iteration(src, progress=progress)
-        _convert.save_file(state, dst, progress)
+    if os.path.isdir(src) and local_checkpoints.is_session_dir(src):
+        state = local_checkpoints.load_iteration(src, progress=progress)
+        conversion.save_file(state, dst, progress)
         return "local checkpoint (newest complete iteration, all ranks) -> torch.save"
     if os.path.isfile(src):
         if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
@@ -341,19 +340,6 @@ def convert(src: str, dst: str, progress: Progress | None = None) -> str:
                 f"destination {dst!r} exists and is not an empty directory; a DCP checkpoint "
                 "needs a directory of its own"
             )
-        _convert.torch_to_dcp(src, dst, progress)
+        conversion.torch_to_dcp(src, dst, progress)
         return "torch.save -> dcp"
     raise ConfigurationError(f"{src!r} is neither a DCP checkpoint directory nor a file")
-
-
-def bench_defaults(name: str, quick: bool) -> list[str]:
-    """Arguments of each benchmark script for ``resilient-ckpt bench [--quick]``."""
-    if name == "async_save":
-        return ["--sizes", "64M" if quick else "64M,512M", "--repeats", "3" if quick else "5"]
-    if not quick:
-        return []  # the script's own defaults
-    if name == "dcp_save":
-        return ["--ranks", "2", "--size", "32M", "--reps", "2", "--plan-tensors", "128"]
-    if name == "local_ckpt":
-        return ["--ranks", "2", "--size-mib", "32", "--repeats", "2"]
-    return []

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .async_ckpt._files import write_atomically
+from ..async_ckpt._files import write_atomically
 
 Progress = Callable[[int], None]
 
@@ -122,8 +122,8 @@ def torch_to_dcp(src: str, dst: str, progress: Progress | None = None) -> None:
     """A ``torch.save`` file (a dict) into a DCP checkpoint directory with checksums."""
     import torch.distributed.checkpoint as dcp
 
-    from .async_ckpt.filesystem_async import FileSystemWriterAsync
-    from .errors import ConfigurationError
+    from ..async_ckpt.filesystem_async import FileSystemWriterAsync
+    from ..errors import ConfigurationError
 
     state = load_file(src, progress)
     if not isinstance(state, dict):

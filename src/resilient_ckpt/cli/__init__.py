@@ -1,0 +1,23 @@
+"""``resilient-ckpt``: list, verify, inspect and convert checkpoints; run the demo and benchmarks.
+
+Every verb prints a table for people and, with ``--json`` (before or after the verb), one
+JSON document on stdout for programs. Long work (``verify``, ``ls --verify``, ``convert``)
+shows a progress bar on stderr when stderr is a terminal (``--no-progress`` hides it; it is
+never shown with ``--json``). Exit status: 0 on success, 1 when a checkpoint fails
+verification or a run fails, 2 on bad usage. The verbs work on DCP checkpoint directories
+(ours and plain ``dcp.save`` ones), local per-rank checkpoints (``LocalCheckpointManager``'s
+root or a session directory) and ``torch.save`` files.
+
+The package is a face of the library (nothing in the library imports it):
+
+* ``command``: argument parsing and the verbs; ``main`` is the console script.
+* ``checkpoints``: what a checkpoint on disk is (DCP directory, local checkpoint session,
+  ``torch.save`` file), found, verified, inspected and converted through the storage backend
+  of its path; ``local_checkpoints`` holds the local-checkpoint half of that.
+* ``conversion``: format conversions that report bytes as they move.
+* ``bench`` and ``bench_plot``: running the benchmarks and drawing their figures.
+"""
+
+from .command import build_parser, main
+
+__all__ = ["build_parser", "main"]
