@@ -57,29 +57,33 @@ def _memory_base() -> str:
 
 def _print_stalls(summary: dict[str, Any]) -> None:
     floor, nbytes = summary["memcpy_floor_s"], summary["shard_bytes"]
+    saves = summary["saves"]
     print(f"[demo] saves of the last run (rank 0, {summary['world_size']} ranks):")
-    for save in summary["saves"]:
+    for i, save in enumerate(saves):
         tiers = "memory + durable" if save["durable"] else "memory"
-        print(f"[demo]   step {save['step']:3d} {tiers:16s} stall {save['stall_s'] * 1e3:7.2f} ms")
+        note = "  (first save: starts the background worker)" if i == 0 else ""
+        print(
+            f"[demo]   step {save['step']:3d} {tiers:16s} stall "
+            f"{save['stall_s'] * 1e3:8.2f} ms{note}"
+        )
     for durable, label in ((False, "memory only"), (True, "memory + durable")):
-        stalls = [s["stall_s"] for s in summary["saves"] if s["durable"] is durable]
+        stalls = [s["stall_s"] for s in saves[1:] if s["durable"] is durable]
         if stalls:
             median = statistics.median(stalls)
             print(
                 f"[demo]   {label:16s}: {len(stalls):2d} saves, median stall "
-                f"{median * 1e3:6.2f} ms = {median / floor:5.2f}x the memcpy floor "
-                f"({floor * 1e3:.2f} ms for this rank's {nbytes:,} bytes)"
+                f"{median * 1e3:7.2f} ms = {median / floor:7.1f}x a memcpy of this rank's "
+                f"{nbytes:,} bytes ({floor * 1e3:.3f} ms)"
             )
 
 
-def _print_recovery(name: str, summary: dict[str, Any], lost: str) -> None:
+def _print_recovery(name: str, summary: dict[str, Any], what: str) -> None:
     resume = summary["resume"]
-    extra = ", ".join(
-        f"{k} {v}" for k, v in resume.items() if k not in ("step", "load_s", "recovery_s")
-    )
     print(
-        f"[demo]   {name}: resumed at step {resume['step']} in {resume['recovery_s']:.3f}s "
-        f"(load {resume['load_s']:.3f}s; {lost}; {extra})",
+        f"[demo]   {name}: resumed at step {resume['step']} from the {resume['tier']} tier "
+        f"in {resume['recovery_s']:.3f}s (load {resume['load_s']:.3f}s); {what}; "
+        f"{resume['files_from_other_ranks_dirs']} data files came from other ranks' "
+        "directories",
         flush=True,
     )
 
@@ -141,11 +145,18 @@ def _story(args: argparse.Namespace, work: str, memory: str, durable: str) -> in
         (1, 4, "first", args.crash_at_step),
         (2, 4, "second", args.second_crash_at_step),
     ):
-        print(f"[demo] {phase}/3 {nproc} ranks, SIGKILLed on every rank at step {crash}", flush=True)
+        print(
+            f"[demo] {phase}/3 {nproc} ranks, SIGKILLed on every rank at step {crash}", flush=True
+        )
         log = os.path.join(work, f"{name}.log")
-        code = _torchrun(nproc, *_job(args, work, name, *dirs, "--crash-at-step", str(crash)), log=log)
+        code = _torchrun(
+            nproc, *_job(args, work, name, *dirs, "--crash-at-step", str(crash)), log=log
+        )
         ok = ok and code != 0
-        print(f"[demo]     killed run exited with code {code} (non-zero expected); log {log}")
+        print(
+            f"[demo]     killed run exited with code {code} (non-zero expected; log {log}); "
+            f"{time.monotonic() - t0:.0f}s so far"
+        )
         if phase == 1:
             for rank in (2, 3):
                 shutil.rmtree(os.path.join(memory, str(rank)), ignore_errors=True)
@@ -165,10 +176,8 @@ def _report(work: str, memory: str, durable: str, same: bool, elapsed: float) ->
     last = _summary(work, "last")
     _print_stalls(last)
     print("[demo] recovery (rank 0):")
-    _print_recovery(
-        "4 -> 4 ranks", _summary(work, "second"), "node 1's memory dirs were deleted"
-    )
-    _print_recovery("4 -> 2 ranks", last, "elastic")
+    _print_recovery("4 -> 4 ranks", _summary(work, "second"), "node 1's memory was lost")
+    _print_recovery("4 -> 2 ranks", last, "elastic: shards re-cut for 2 ranks")
     print(
         f"[demo]   bytes: memory tier incl. replicas {_dir_bytes(memory):,}, durable tier "
         f"{_dir_bytes(durable):,}"

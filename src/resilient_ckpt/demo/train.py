@@ -132,32 +132,22 @@ def _resume(
         for name, p in model.named_parameters():
             p.copy_(state["model"][name].full_tensor())
             optim.state[p]["momentum_buffer"] = state["optim"][name].full_tensor().clone()
-    info: dict[str, Any] = {
+    report = getattr(manager, "last_restore", None) or {}
+    files = report.get("files", {})
+    own = os.path.join(manager.memory_dir, str(dist.get_rank())) + os.sep
+    # Data files this restore read from another rank's directory (a replica or, after a
+    # world size change, a shard another rank wrote), summed over the ranks.
+    foreign = torch.tensor([sum(not str(p).startswith(own) for p in files.values())])
+    dist.all_reduce(foreign)
+    return step, {
         "step": step,
+        "tier": report.get("tier", "?"),
         "load_s": loaded_s,
         "recovery_s": time.perf_counter() - started,
         "world_size": dist.get_world_size(),
+        "files_read": len(files),
+        "files_from_other_ranks_dirs": int(foreign.item()),
     }
-    info.update(_restore_source(manager))
-    return step, info
-
-
-def _restore_source(manager: TieredCheckpointManager) -> dict[str, Any]:
-    """Where the manager says the restore came from (tier, peers used), if it says."""
-    report = getattr(manager, "last_restore", None)
-    if report is None:
-        return {}
-    if isinstance(report, dict):
-        return {k: v for k, v in report.items() if isinstance(v, (str, int, float, bool, list))}
-    fields = getattr(report, "__dataclass_fields__", {})
-    out = {}
-    for key in fields:
-        value = getattr(report, key)
-        if isinstance(value, (str, int, float, bool)) or value is None:
-            out[key] = value
-        elif isinstance(value, (list, tuple)):
-            out[key] = list(value)
-    return out
 
 
 def _memcpy_floor(state: dict[str, Any]) -> tuple[float, int]:
@@ -189,7 +179,8 @@ def run(args: argparse.Namespace) -> None:
     model = _model()
     optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     manager = None
-    start, resume = 0, {}
+    start = 0
+    resume: dict[str, Any] = {}
     if not args.no_save:
         # Two simulated nodes of world/2 ranks each: a rank's copy lives on the other node.
         manager = TieredCheckpointManager(
@@ -205,7 +196,7 @@ def run(args: argparse.Namespace) -> None:
     if rank == 0 and start:
         print(
             f"[demo]     resumed at step {start} on {world} ranks in "
-            f"{resume['recovery_s']:.2f}s {resume.get('tier', '')}".rstrip(),
+            f"{resume['recovery_s']:.2f}s from the {resume['tier']} tier",
             flush=True,
         )
     saves: list[dict[str, Any]] = []
@@ -220,9 +211,10 @@ def run(args: argparse.Namespace) -> None:
         state = _state(model, optim, mesh, step)
         floor = floor or _memcpy_floor(state)
         started = time.perf_counter()
-        manager.save(state, step)
-        stall = time.perf_counter() - started
+        # Durable at step multiples (the manager's own count restarts with every job).
         durable = step % args.durable_every == 0
+        manager.save(state, step, durable=durable)
+        stall = time.perf_counter() - started
         saves.append({"step": step, "durable": durable, "stall_s": stall})
         if step == args.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # writes of this save are still in flight

@@ -75,7 +75,6 @@ from ..local import (
     CliqueReplicationStrategy,
     LocalCheckpointManager,
 )
-
 from .lightning_tiered import TieredCheckpointCallback
 
 logger = get_logger(__name__)

@@ -85,7 +85,8 @@ class TieredCheckpointCallback(pl.Callback):
         memory_dir: node-local RAM directory (e.g. ``/dev/shm/<job>``); rank subdirectories.
         durable_dir: shared storage or ``msc://profile/prefix`` for the durable DCP copies.
         every_n_train_steps: save when ``trainer.global_step`` is a multiple of this.
-        durable_every: every N-th save also goes to ``durable_dir``.
+        durable_every: every N-th save also goes to ``durable_dir`` (at global steps that
+            are multiples of ``every_n_train_steps * durable_every``).
         replication_factor: copies of each rank's shard in the memory tier.
         replication_jump: distance between a shard's copies; default: ranks per node
             (``trainer.num_devices``), so copies land on other nodes.
@@ -114,7 +115,9 @@ class TieredCheckpointCallback(pl.Callback):
         self.durable_every = _positive_int("durable_every", durable_every)
         self.replication_factor = _positive_int("replication_factor", replication_factor)
         self.replication_jump = (
-            None if replication_jump is None else _positive_int("replication_jump", replication_jump)
+            None
+            if replication_jump is None
+            else _positive_int("replication_jump", replication_jump)
         )
         self.keep_memory = _positive_int("keep_memory", keep_memory)
         self.keep_durable = _positive_int("keep_durable", keep_durable)
@@ -184,7 +187,10 @@ class TieredCheckpointCallback(pl.Callback):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers)
         rest = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
-        self.manager.save({"model": model_sd, "optim": optim_sd, "trainer": _pack(rest)}, step)
+        state = {"model": model_sd, "optim": optim_sd, "trainer": _pack(rest)}
+        # Durable at fixed steps, whatever step a resumed job started from.
+        durable = step % (self.every_n_train_steps * self.durable_every) == 0
+        self.manager.save(state, step, durable=durable)
         self._last_saved = step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
