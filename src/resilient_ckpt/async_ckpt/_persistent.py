@@ -18,6 +18,7 @@ from collections import OrderedDict
 from multiprocessing.connection import wait
 from typing import Any
 
+from .. import _dist
 from .._logging import get_logger
 from ..config import Timeouts, WorkerOptions
 from ..errors import (
@@ -25,10 +26,10 @@ from ..errors import (
     CheckpointTimeoutError,
     WorkerDiedError,
 )
-from . import _completion, _worker
+from . import _worker
 from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
-from ._messages import AttachArena, Channel, DetachArena, Hello, Result, Shutdown, Submit
+from ._messages import AttachArena, Channel, Hello, Result, Shutdown, Submit
 from ._request import AsyncRequest
 from ._staging import ArenaPool, stage
 
@@ -78,7 +79,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def start(self, rank: int | None = None, wait_ready: bool = True) -> None:
         """Spawn the worker (if not running); optionally wait for its handshake."""
         if self.process is None:
-            self.rank = rank if rank is not None else _completion.my_rank()
+            self.rank = rank if rank is not None else _dist.rank()
             ctx = mp.get_context("spawn")
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             level = logging.getLogger("resilient_ckpt").getEffectiveLevel()
@@ -315,8 +316,12 @@ class PersistentAsyncCaller(AsyncCaller):
                         if self.process is None:
                             break
                         wait([proc.sentinel], min(0.2, deadline - time.monotonic()))
-                except (OSError, EOFError, WorkerDiedError, CheckpointTimeoutError):
-                    pass
+                except (OSError, EOFError, WorkerDiedError, CheckpointTimeoutError) as exc:
+                    logger.warning(
+                        "checkpoint worker pid %s did not shut down cleanly (%s); stopping it",
+                        proc.pid,
+                        exc,
+                    )
                 dropped = [i for i in self._inflight if i not in self._status]
             if proc.exitcode is None:
                 proc.terminate()
@@ -326,6 +331,8 @@ class PersistentAsyncCaller(AsyncCaller):
                 proc.kill()
                 proc.join(self.timeouts.shutdown)
             self._reap()
+        for idx, status in self._status.items():
+            self._log_dropped_failure(idx, status)
         for idx in dropped:
             self._status.pop(idx, None)
         self._unfinalized.clear()
@@ -338,12 +345,3 @@ class PersistentAsyncCaller(AsyncCaller):
     def staging_arenas_created(self) -> int:
         """How many shared-memory arenas this caller has allocated (for memory checks)."""
         return self._pool.created
-
-    def detach_idle_arenas(self) -> None:
-        """Free idle staging memory (e.g. before a long pause); reallocated on next save."""
-        for arena in list(self._pool.free):
-            if self._channel is not None and arena.arena_id in self._attached:
-                self._channel.send(DetachArena(arena.arena_id))
-                self._attached.discard(arena.arena_id)
-            self._pool.free.remove(arena)
-            arena.close()

@@ -249,8 +249,8 @@ class AsyncCallsQueue:
     def __del__(self) -> None:
         try:
             self._abandon()
-        except Exception:
-            pass
+        except Exception as exc:  # garbage collection must not raise; say what was lost
+            logger.warning("could not stop the worker of a discarded queue: %s", exc)
 
 
 def abort_nvrx_checkpoint() -> None:
@@ -268,8 +268,8 @@ def _stop_workers_at_exit() -> None:
     for queue in AsyncCallsQueue.get_instances():
         try:
             queue._abandon()
-        except Exception:
-            pass
+        except Exception as exc:  # the next queue's worker must still be stopped
+            logger.warning("could not stop a checkpoint worker at exit: %s", exc)
     warmed = AsyncCallsQueue._warmup_persistent_caller
     if warmed is not None:
         warmed.close(abort=True)

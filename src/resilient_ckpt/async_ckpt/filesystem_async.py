@@ -42,7 +42,6 @@ import uuid
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
@@ -50,11 +49,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .. import _dist
 from .._logging import get_logger
 from ..config import RetryPolicy
 from ..errors import CheckpointExistsError, CheckpointWriteError, ConfigurationError, StorageError
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
+from ..storage.commit import fsync_dir
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
@@ -65,7 +66,6 @@ from ._dcp_write import (
     run_write_job,
     write_file,
 )
-from ._files import fsync_dir
 
 logger = get_logger(__name__)
 
@@ -209,7 +209,7 @@ class FileSystemWriterAsync(FileSystemWriter):
     def _rank(self) -> int:
         if self.rank is not None:
             return int(self.rank)
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return _dist.rank()
 
     # -- preparing the background write (trainer) -------------------------------------------
 

@@ -22,8 +22,8 @@ import torch
 from ..config import Timeouts
 from ..errors import ConfigurationError
 from ..storage.base import get_backend, is_msc_url
+from ..storage.commit import write_atomically
 from ..utils import iter_tensors, preload_tensors
-from ._files import write_atomically
 from .core import AsyncCallsQueue, AsyncRequest
 
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import BinaryIO
 
-from ..async_ckpt._files import atomic_file
 from ..errors import StorageError
 from .base import Listing, StorageBackend
+from .commit import atomic_file
 
 
 class PosixBackend(StorageBackend):

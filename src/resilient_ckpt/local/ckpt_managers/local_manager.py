@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..._logging import get_logger
-from ...async_ckpt._files import fsync_dir
 from ...errors import ConfigurationError, CorruptCheckpointError, StorageError
+from ...storage.commit import fsync_dir
 from ...storage.posix import PosixBackend
 from .. import _deleter
 from .._format import read_verified

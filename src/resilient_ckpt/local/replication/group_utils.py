@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import _dist
 from ...errors import CheckpointingException, ConfigurationError
 
 
@@ -105,7 +106,7 @@ class CliqueGroup:
 
     @property
     def my_rank(self) -> int:
-        return dist.get_rank()
+        return _dist.rank()
 
     @property
     def backend(self) -> str:

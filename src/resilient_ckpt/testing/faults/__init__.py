@@ -9,6 +9,8 @@ request into the background worker, where the I/O happens.
   pattern) fired by :class:`FaultyBackend`, which wraps any storage backend. Use them through
   :class:`FaultyWriter` (async DCP), :class:`FaultyLocalCheckpointManager`,
   :func:`faulty_request` (any ``AsyncRequest``) or ``with inject(...)`` (this process).
+* Tiered: :func:`kill_at_tiered_phase` (SIGKILL the trainer at a phase of a tiered save),
+  :class:`FaultyTieredCheckpointManager` (the worker's writes of both tiers under faults).
 * Kills: :func:`kill_after`, :func:`kill_during_save` (trainer or worker, random point),
   :func:`worker_pids`, :func:`descendants`, :func:`wait_gone`; or ``Action.KILL`` at an exact
   phase.
@@ -49,6 +51,7 @@ from ._storage import (
     faulty_request,
     inject,
 )
+from ._tiered import FaultyTieredCheckpointManager, kill_at_tiered_phase
 
 __all__ = [
     "Action",
@@ -56,6 +59,7 @@ __all__ = [
     "FaultyBackend",
     "FaultyCall",
     "FaultyLocalCheckpointManager",
+    "FaultyTieredCheckpointManager",
     "FaultyWriter",
     "InjectedFault",
     "Injector",
@@ -71,6 +75,7 @@ __all__ = [
     "inject",
     "is_alive",
     "kill_after",
+    "kill_at_tiered_phase",
     "kill_during_save",
     "small_filesystem",
     "truncate",

@@ -1,0 +1,145 @@
+"""Choosing what to restore: the newest verified checkpoint on any tier, the same on every rank.
+
+Discovery is one gather on the library group: every rank reports the memory-tier step
+directories it can reach (their data files and sizes, whether committed), the file table
+of each committed step it could read, and (the coordinator) the committed durable steps.
+Every rank then computes the same ordered candidate list from the same gathered data:
+
+* a memory step is a candidate when some commit record of it was readable and every data
+  file of its table has at least one reachable copy of the right size (own or a peer's);
+* a durable step is a candidate when its ``.metadata`` exists;
+* newest first; at equal steps memory before durable (it is faster and as new).
+
+The manager then tries them in order with :class:`~._reader.VerifyingReader`; a candidate
+whose files turn out corrupt on every copy makes ``dcp.load`` fail on every rank, and the
+next one is tried. Nothing here reads data files: sizes come from directory listings, and
+checksums are checked while the data is read for the load itself.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._logging import get_logger
+from ..errors import CorruptCheckpointError
+from ..storage import get_backend
+from ..storage.retention import COMMIT_RECORD, list_checkpoints
+from ._layout import METADATA_NAME, StepListing, parse_step, scan_memory, step_name
+from ._reader import VerifyingReader
+from ._writes import file_table
+
+logger = get_logger(__name__)
+
+MEMORY, DURABLE = "memory", "durable"
+
+
+@dataclass
+class RankView:
+    """What one rank can see, as gathered."""
+
+    listings: list[StepListing] = field(default_factory=list)
+    tables: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    durable_steps: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    step: int
+    tier: str
+
+
+def local_view(memory_dir: str, durable_dir: str, is_coordinator: bool) -> RankView:
+    listings = scan_memory(memory_dir)
+    view = RankView(listings=listings)
+    for listing in sorted(listings, key=lambda s: s.owner):
+        if listing.committed and listing.step not in view.tables:
+            table = _read_table(os.path.join(listing.path, METADATA_NAME))
+            if table:
+                view.tables[listing.step] = table
+    if is_coordinator:
+        try:
+            refs = list_checkpoints(durable_dir)
+        except Exception as exc:
+            logger.warning("cannot list the durable tier %s: %r", durable_dir, exc)
+            refs = []
+        view.durable_steps = [
+            s for r in refs if r.committed and (s := parse_step(r.name)) is not None
+        ]
+    return view
+
+
+def _read_table(path: str) -> dict[str, tuple[int, int]]:
+    try:
+        with open(path, "rb") as f:
+            return file_table(pickle.load(f))
+    except Exception as exc:
+        logger.warning("unreadable commit record %s: %r", path, exc)
+        return {}
+
+
+def candidates(views: list[RankView]) -> list[Candidate]:
+    """Every restorable checkpoint, best first (identical on every rank)."""
+    found: list[Candidate] = []
+    tables: dict[int, dict[str, tuple[int, int]]] = {}
+    for view in views:
+        for step, table in view.tables.items():
+            tables.setdefault(step, table)
+    for step, table in tables.items():
+        sizes: dict[str, set[int]] = {}
+        for view in views:
+            for listing in view.listings:
+                if listing.step == step:
+                    for name, size in listing.files.items():
+                        sizes.setdefault(name, set()).add(size)
+        missing = [n for n, (size, _) in table.items() if size not in sizes.get(n, set())]
+        if missing:
+            logger.info("memory step %d is incomplete (no copy of %s)", step, sorted(missing))
+            continue
+        found.append(Candidate(step, MEMORY))
+    for view in views:
+        found.extend(Candidate(step, DURABLE) for step in view.durable_steps)
+    return sorted(set(found), key=lambda c: (-c.step, c.tier != MEMORY))
+
+
+def memory_reader(memory_dir: str, rank: int, step: int) -> VerifyingReader:
+    """A reader of memory step ``step`` from the copies this rank can reach (own first)."""
+    listings = [s for s in scan_memory(memory_dir) if s.step == step]
+    listings.sort(key=lambda s: (s.owner != rank, s.owner))
+    metadata_path = None
+    table: dict[str, tuple[int, int]] = {}
+    for listing in listings:
+        if listing.committed:
+            path = os.path.join(listing.path, METADATA_NAME)
+            table = _read_table(path)
+            if table:
+                metadata_path = path
+                break
+    if metadata_path is None:
+        raise CorruptCheckpointError(
+            f"rank {rank}: no readable commit record of memory step {step} in {memory_dir!r}"
+        )
+    locations: dict[str, list[str]] = {}
+    for listing in listings:
+        for name in listing.files:
+            locations.setdefault(name, []).append(os.path.join(listing.path, name))
+    return VerifyingReader(os.path.dirname(metadata_path), metadata_path, locations, table)
+
+
+def durable_reader(durable_dir: str, step: int) -> VerifyingReader:
+    backend = get_backend(durable_dir)
+    path = backend.join(durable_dir, step_name(step))
+    metadata_path = backend.join(path, COMMIT_RECORD)
+    with backend.open_read(metadata_path) as f:
+        metadata: Any = pickle.load(f)
+    table = file_table(metadata)
+    if not table:
+        raise CorruptCheckpointError(
+            f"{path!r} has no file table in its commit record (not written by resilient_ckpt); "
+            "it cannot be verified",
+            path=path,
+        )
+    locations = {name: [backend.join(path, name)] for name in table}
+    return VerifyingReader(path, metadata_path, locations, table)

@@ -1,0 +1,133 @@
+"""The background half of a tiered save: one staged snapshot, written to every tier.
+
+Decision: a save is planned once (DCP planner, cached plan) for a writer pointed at this
+rank's memory-tier step directory, and scheduled as *one* ``AsyncRequest`` whose tensors
+the persistent worker's queue stages once into its shared-memory arena. The worker then
+runs :func:`write_tiers`: the memory-tier files first, then, on a durable save, the same
+staged buckets again into the durable step directory. So a save that also goes durable
+stalls the trainer exactly as long as a memory-only one: the durable write is more
+background work, not another snapshot.
+
+Alternatives rejected: a second request for the durable copy would stage the state a
+second time (twice the stall and the host memory); copying the memory-tier files to
+durable storage later from the trainer process would compete with training for the GIL
+and for the page cache.
+
+Each tier's write reports through its own results file (see ``async_ckpt._dcp_write``),
+so the memory tier is committed as soon as its report exists, without waiting for the
+durable write that follows in the same call. A memory-tier failure (the RAM tier full)
+is recorded in its report and never stops the durable write; if even the report cannot
+be stored, the failure is logged and the trainer sees "call finished, no memory report",
+which it treats as a failed memory write.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import pickle
+import uuid
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .._logging import get_logger
+from ..async_ckpt._dcp_write import FileRecord, WriteBucket, WriteJob, run_write_job, write_file
+from ..async_ckpt.filesystem_async import FILE_TABLE_ATTR, FileSystemWriterAsync
+
+logger = get_logger(__name__)
+
+
+def write_tiers(
+    memory_job: WriteJob | None,
+    durable_job: WriteJob | None,
+    rank: int,
+    buckets: list[WriteBucket],
+) -> None:
+    """Worker entry point: write ``buckets`` to the memory tier, then to the durable tier."""
+    if memory_job is not None:
+        try:
+            run_write_job(memory_job, buckets, functools.partial(write_file, memory_job))
+        except Exception as exc:
+            # Could not even record the outcome (tier full): the trainer notices the missing
+            # report once this call ends; the durable copy must still be written.
+            logger.error("memory tier write of rank %d left no report: %r", rank, exc)
+    if durable_job is not None:
+        backend = durable_job.backend()
+        retargeted = [
+            (backend.join(durable_job.checkpoint_dir, name), name, items)
+            for _, name, items in buckets
+        ]
+        run_write_job(durable_job, retargeted, functools.partial(write_file, durable_job))
+
+
+class DurableCopyWriter(FileSystemWriterAsync):
+    """The durable tier's writer: it writes the buckets planned for the memory tier.
+
+    It is never planned itself: :meth:`adopt` takes the memory writer's buckets (the same
+    file names, the same items) and makes its own job for the durable directory, so
+    ``retrieve_write_results`` and ``finish`` (the DCP commit) work as for any async save.
+    """
+
+    def adopt(self, memory_writer: FileSystemWriterAsync) -> None:
+        buckets = memory_writer.write_buckets or []
+        self.write_buckets = [
+            (self._backend.join(self.checkpoint_dir, name), name, items)
+            for _, name, items in buckets
+        ]
+        self._job = WriteJob(
+            checkpoint_dir=self.checkpoint_dir,
+            use_msc=self.use_msc,
+            rank=self._rank(),
+            token=uuid.uuid4().hex,
+            sync_files=self.sync_files,
+            thread_count=self.thread_count,
+            transforms=getattr(self, "transforms", None),
+            retry=self.retry_policy,
+        )
+        self.written_files = {}
+
+    @property
+    def job(self) -> WriteJob | None:
+        return self._job
+
+
+def memory_job_of(writer: FileSystemWriterAsync) -> WriteJob | None:
+    """The memory writer's job (None when this rank has nothing to write)."""
+    save_fn, _, _ = writer.get_save_function_and_args()
+    if save_fn is None:
+        return None
+    job = save_fn.args[0]
+    return job if isinstance(job, WriteJob) else None
+
+
+def durable_job_of(writer: DurableCopyWriter) -> WriteJob | None:
+    return writer.job if writer.write_buckets else None
+
+
+def commit_metadata_bytes(
+    metadata: Metadata, reports: list[list[FileRecord]], storage_meta: Any
+) -> bytes:
+    """The memory tier's commit record: the global metadata with every rank's storage
+    locations and the size/CRC32 table of every data file (as the async writer records)."""
+    md = copy.copy(metadata)
+    md.storage_data = {
+        result.index: result.storage_data
+        for records in reports
+        for record in records
+        for result in record.results
+    }
+    md.storage_meta = storage_meta
+    table = {record.name: (record.size, record.crc32) for records in reports for record in records}
+    setattr(md, FILE_TABLE_ATTR, {"algorithm": "crc32", "files": table})
+    return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def file_table(metadata: Any) -> dict[str, tuple[int, int]]:
+    table = getattr(metadata, FILE_TABLE_ATTR, None) or {}
+    return {name: (int(s), int(c)) for name, (s, c) in dict(table.get("files", {})).items()}
+
+
+def with_job_dir(job: WriteJob, checkpoint_dir: str) -> WriteJob:
+    return dataclasses.replace(job, checkpoint_dir=checkpoint_dir)

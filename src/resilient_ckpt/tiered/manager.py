@@ -1,0 +1,496 @@
+"""``TieredCheckpointManager``: one snapshot feeding a RAM tier with peer replicas and a
+durable tier; restore from the newest verified checkpoint on any tier, at any world size.
+
+Call protocol (every rank makes every call, in the same order, from the training thread)::
+
+    mgr = TieredCheckpointManager(memory_dir, durable_dir, replication_factor=2,
+                                  replication_jump=None, durable_every=10,
+                                  keep_memory=2, keep_durable=2)   # collective: makes groups
+    step = mgr.load(state_dict)          # collective; in place like dcp.load; step or None
+    mgr.save(state_dict, step)           # collective planning, then the snapshot; returns
+    mgr.maybe_finalize(blocking=False)   # commits what finished; errors raise on every rank
+    mgr.close()                          # finalizes what is pending, stops the background
+
+What runs where (see the modules for each decision):
+
+* ``save`` (trainer): plans the DCP save for this rank's memory-tier step directory (plan
+  cached while the state's structure is unchanged), then schedules one ``AsyncRequest``;
+  the queue stages the tensors once into the persistent worker's shared-memory arena.
+  That copy is the whole stall, the same for a save that also goes durable
+  (:mod:`._writes`).
+* worker process: writes the memory-tier files, then on durable saves the same staged
+  bytes to ``durable_dir/step_<N>`` as a standard DCP checkpoint.
+* replicator thread of the trainer (:mod:`._replicator`): once the memory files exist,
+  exchanges them with the clique peers over the manager's gloo groups, writes the commit
+  record into every rank's step directory, applies ``keep_memory``.
+* ``maybe_finalize`` (trainer): agrees on finished worker calls (library gloo group),
+  commits durable saves (``.metadata`` last, coordinator) and applies ``keep_durable``, and
+  re-raises any failure of either tier, on every rank.
+* ``load``: :mod:`._restore` picks the candidates, :mod:`._reader` reads and verifies.
+
+``durable_every``: the ``durable_every``-th save after construction (or after a load), and
+every ``durable_every``-th after it, also goes durable; ``save(..., durable=True)`` forces one.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .. import _dist
+from .._logging import get_logger
+from ..async_ckpt._completion import State
+from ..async_ckpt.core import AsyncCallsQueue, AsyncRequest
+from ..async_ckpt.filesystem_async import FileSystemWriterAsync
+from ..async_ckpt.state_dict_saver import (
+    CheckpointMetadataCache,
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
+from ..config import Timeouts, default_timeouts
+from ..errors import (
+    CheckpointingException,
+    CheckpointTimeoutError,
+    CheckpointWriteError,
+    ConfigurationError,
+    QueueClosedError,
+)
+from ..local.replication.group_utils import CliqueGroup, parse_group_sequence
+from ..local.replication.strategies import default_replication_jump
+from ..storage import get_backend
+from ..storage.retention import COMMIT_RECORD, prune_checkpoints
+from . import _restore
+from ._layout import memory_step_dir, purge_newer, rank_dir, remove_step, step_name
+from ._options import TieredOptions
+from ._phases import PhaseHook, TieredPhase
+from ._replicator import MemorySave, Replicator
+from ._writes import DurableCopyWriter, durable_job_of, memory_job_of, write_tiers
+
+logger = get_logger(__name__)
+
+__all__ = ["TieredCheckpointManager"]
+
+
+@dataclass
+class _Pending:
+    step: int
+    call_idx: int
+    memory: MemorySave
+    durable: bool
+
+
+def _agreed(what: str, step: Callable[[], Any]) -> Any:
+    """Run ``step`` here; raise on every rank if it failed on any (``_dist.agree``)."""
+    error: Exception | None = None
+    value = None
+    try:
+        value = step()
+    except Exception as exc:
+        error = exc
+    _dist.agree(what, error)
+    return value
+
+
+def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Top-level ``Stateful`` values replaced by their state dicts (as ``dcp.save`` does)."""
+    if not isinstance(state_dict, dict):
+        raise ConfigurationError(
+            f"state_dict must be a dict (what dcp.save takes), got {type(state_dict).__name__}"
+        )
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+
+
+class TieredCheckpointManager:
+    """Checkpoints in node-local RAM with peer replicas, every N-th also durable.
+
+    Args:
+        memory_dir: node-local RAM tier, e.g. ``/dev/shm/<job>``; each rank writes below
+            ``memory_dir/<rank>/``.
+        durable_dir: shared storage path or ``msc://profile/prefix``.
+        replication_factor: copies of each rank's shard in the memory tier (cliques of this
+            many ranks, as ``CliqueReplicationStrategy``; 1 = no replicas).
+        replication_jump: distance between clique members; default: ranks per node
+            (``LOCAL_WORLD_SIZE``), so each copy lands on another node. The world size must
+            be divisible by ``replication_jump * replication_factor``.
+        durable_every: every ``durable_every``-th save also goes to ``durable_dir``.
+        keep_memory, keep_durable: committed checkpoints kept per tier (older ones are
+            deleted only after a newer one is committed).
+        thread_count: writer threads (and data files) per rank and tier.
+        durable_sync: fsync durable files (memory-tier files are never fsynced: RAM).
+        timeouts: deadlines (default :func:`resilient_ckpt.config.default_timeouts`).
+        on_phase: ``fn(phase, step)`` called at each :class:`~._phases.TieredPhase` of a
+            save (from the trainer or the replicator thread, as documented there):
+            instrumentation, and the fault kit's hook
+            (:func:`resilient_ckpt.testing.faults.kill_at_tiered_phase`).
+    """
+
+    def __init__(
+        self,
+        memory_dir: str | os.PathLike,
+        durable_dir: str | os.PathLike,
+        replication_factor: int = 2,
+        replication_jump: int | None = None,
+        durable_every: int = 10,
+        keep_memory: int = 2,
+        keep_durable: int = 2,
+        *,
+        thread_count: int = 1,
+        durable_sync: bool = True,
+        timeouts: Timeouts | None = None,
+        on_phase: PhaseHook | None = None,
+    ) -> None:
+        self.options = TieredOptions(
+            os.fspath(memory_dir),
+            os.fspath(durable_dir),
+            replication_factor,
+            replication_jump,
+            durable_every,
+            keep_memory,
+            keep_durable,
+            thread_count,
+            durable_sync,
+        )
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigurationError(
+                "TieredCheckpointManager needs torch.distributed initialised first "
+                "(init_process_group), on every rank"
+            )
+        self.timeouts = timeouts or default_timeouts()
+        self.rank = _dist.rank()
+        self.world_size = dist.get_world_size()
+        self.memory_dir = self.options.memory_dir
+        self.durable_dir = self.options.durable_dir
+        self.on_phase: PhaseHook = on_phase or (lambda phase, step: None)
+        jump = replication_jump if replication_jump is not None else default_replication_jump()
+        self.replication_jump = jump
+        cliques = parse_group_sequence(jump, replication_factor, self.world_size)
+        self.clique_ranks = next(c for c in cliques if self.rank in c)
+        self._world_group, clique = self._make_groups(cliques)
+        _agreed("tiered manager set-up", self._prepare_dirs)
+        self._queue = AsyncCallsQueue(persistent=True, timeouts=self.timeouts)
+        self._cache = CheckpointMetadataCache()
+        self._replicator = Replicator(
+            memory_dir=self.memory_dir,
+            rank=self.rank,
+            world=self._world_group,
+            clique=clique,
+            keep_memory=keep_memory,
+            report_timeout=self.timeouts.finalize,
+            poll_interval=min(self.timeouts.poll_interval, 0.01),
+            on_phase=self._phase,
+        )
+        self._pending: deque[_Pending] = deque()
+        self._last_step: int | None = None
+        self._saves_since_durable = 0
+        self._closed = False
+        self.timings: dict[int, dict[str, float]] = {}
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _make_groups(self, cliques: list[list[int]]) -> tuple[Any, CliqueGroup | None]:
+        """The replicator's own gloo groups (collective: every rank creates every group)."""
+        timeout = timedelta(seconds=self.timeouts.collective)
+        world = dist.new_group(backend="gloo", timeout=timeout)
+        mine = None
+        if self.options.replication_factor > 1:
+            for ranks in cliques:
+                group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                if self.rank in ranks:
+                    mine = CliqueGroup(group)
+        return world, mine
+
+    def _prepare_dirs(self) -> None:
+        os.makedirs(rank_dir(self.memory_dir, self.rank), exist_ok=True)
+        if self.rank == 0:
+            get_backend(self.durable_dir).makedirs(self.durable_dir)
+
+    def _phase(self, phase: TieredPhase, step: int) -> None:
+        self.on_phase(phase, step)
+
+    # -- save -------------------------------------------------------------------------------
+
+    def save(self, state_dict: dict[str, Any], step: int, *, durable: bool | None = None) -> None:
+        """Snapshot ``state_dict`` as checkpoint ``step`` (collective); writes in background.
+
+        Returns once the state is staged: training may modify its tensors at once. Steps
+        must increase. Failures of the background work surface from :meth:`maybe_finalize`.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigurationError(f"step must be an int >= 0, got {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ConfigurationError(
+                f"step {step} is not newer than the last saved or loaded step "
+                f"{self._last_step}: steps of one manager must increase"
+            )
+        goes_durable = (
+            durable
+            if durable is not None
+            else self._saves_since_durable + 1 >= self.options.durable_every
+        )
+        started = time.perf_counter()
+        step_dir = memory_step_dir(self.memory_dir, self.rank, step)
+        remove_step(step_dir)  # a stale save of this step from an abandoned run
+        writer = FileSystemWriterAsync(
+            step_dir,
+            single_file_per_rank=True,
+            sync_files=False,
+            thread_count=self.options.thread_count,
+        )
+        _, metadata, dist_wrapper = save_state_dict_async_plan(
+            _plain_state(state_dict), writer, enable_cache=True, metadata_cache=self._cache
+        )
+        finalize_fns: list[Callable[[], None]] = []
+        durable_job = None
+        if goes_durable:
+            durable_writer = self._durable_writer(step, writer)
+            durable_job = durable_job_of(durable_writer)
+            durable_md = copy.copy(metadata) if metadata is not None else None
+            finalize_fns.append(
+                functools.partial(
+                    self._commit_durable, durable_writer, durable_md, dist_wrapper, step
+                )
+            )
+        planned = time.perf_counter()
+        memory_job = memory_job_of(writer)
+        _, preload_fn, args = writer.get_save_function_and_args()
+        async_fn = None
+        if memory_job is not None:
+            async_fn = functools.partial(write_tiers, memory_job, durable_job)
+        request = self._background_request(
+            AsyncRequest(async_fn, args, finalize_fns, preload_fn=preload_fn)
+        )
+        call_idx = self._queue.schedule_async_request(request)
+        staged = time.perf_counter()
+        memory = MemorySave(step, step_dir, memory_job, metadata, writer.storage_meta())
+        self._replicator.submit(memory)
+        self._pending.append(_Pending(step, call_idx, memory, goes_durable))
+        self._last_step = step
+        self._saves_since_durable = 0 if goes_durable else self._saves_since_durable + 1
+        self.timings[step] = {"plan": planned - started, "stage": staged - planned}
+        self._phase(TieredPhase.STAGED, step)
+
+    def _durable_writer(self, step: int, memory_writer: FileSystemWriterAsync) -> DurableCopyWriter:
+        path = get_backend(self.durable_dir).join(self.durable_dir, step_name(step))
+        writer = DurableCopyWriter(
+            path,
+            single_file_per_rank=True,
+            sync_files=self.options.durable_sync,
+            thread_count=self.options.thread_count,
+        )
+        _agreed(
+            f"preparing durable step {step}",
+            lambda: writer.set_up_storage_writer(
+                self.rank == 0, rank=self.rank, use_collectives=True
+            ),
+        )
+        writer.adopt(memory_writer)
+        return writer
+
+    def _background_request(self, request: AsyncRequest) -> AsyncRequest:
+        """Hook for the fault kit: the request the worker runs (unchanged here)."""
+        return request
+
+    def _commit_durable(
+        self, writer: DurableCopyWriter, metadata: Any, dist_wrapper: Any, step: int
+    ) -> None:
+        try:
+            save_state_dict_async_finalize(writer, metadata, dist_wrapper)
+        except CheckpointException as exc:
+            raise CheckpointWriteError(
+                f"tiered save of step {step}: the durable write to {writer.checkpoint_dir!r} "
+                f"failed, not committed: {exc}",
+                path=str(writer.checkpoint_dir),
+            ) from exc
+        self._phase(TieredPhase.DURABLE_COMMITTED, step)
+        if self.rank == 0:
+            prune_checkpoints(self.durable_dir, self.options.keep_durable)
+
+    # -- finalize ---------------------------------------------------------------------------
+
+    def maybe_finalize(self, blocking: bool = False) -> list[int]:
+        """Commit what finished; return the steps newly committed in the memory tier.
+
+        Collective. Durable saves whose write finished on every rank are committed here.
+        A failure of either tier on any rank raises here on every rank (the first one;
+        later ones are logged). ``blocking`` waits (with deadlines) for every pending save.
+        """
+        if self._closed:
+            raise QueueClosedError("maybe_finalize on a closed TieredCheckpointManager")
+        errors: list[BaseException] = []
+        self._notice_finished_calls()
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointException as exc:
+            errors.append(CheckpointWriteError(f"durable commit failed: {exc}"))
+        except BaseException as exc:
+            errors.append(exc)
+        self._notice_finished_calls()
+        committed = self._collect_memory(blocking, errors)
+        if errors:
+            for extra in errors[1:]:
+                logger.error("another tiered checkpoint failure: %r", extra)
+            raise errors[0]
+        return committed
+
+    def _notice_finished_calls(self) -> None:
+        """Tell the replicator which worker calls ended (a memory write that left no report
+        is then a failure, not a wait until the deadline)."""
+        active = {a.idx for a in self._queue.async_calls}
+        caller = self._queue.persistent_caller
+        for pending in self._pending:
+            if pending.memory.call_finished.is_set():
+                continue
+            finished = pending.call_idx not in active
+            if not finished and caller is not None:
+                finished = caller.local_status(pending.call_idx).state != State.RUNNING
+            if finished:
+                pending.memory.call_finished.set()
+
+    def _collect_memory(self, blocking: bool, errors: list[BaseException]) -> list[int]:
+        committed = []
+        deadline = time.monotonic() + self.timeouts.finalize
+        while self._pending:
+            pending = self._pending[0]
+            future = pending.memory.future
+            if blocking:
+                try:
+                    future.exception(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    errors.append(
+                        CheckpointTimeoutError(
+                            f"tiered save of step {pending.step}: the memory tier did not "
+                            f"commit within {self.timeouts.finalize:.0f}s"
+                        )
+                    )
+                    break
+            elif not future.done():
+                break
+            self._pending.popleft()
+            exc = future.exception()
+            if exc is not None:
+                errors.append(exc)
+            else:
+                committed.append(pending.step)
+        return committed
+
+    # -- load -------------------------------------------------------------------------------
+
+    def load(self, state_dict: dict[str, Any]) -> int | None:
+        """Restore the newest verified checkpoint of any tier into ``state_dict`` (in place,
+        resharding as ``dcp.load`` does); return its step, or None when there is none.
+
+        Collective. Memory is preferred when it is at least as new as durable. A checkpoint
+        that fails verification on every copy is skipped for the next newest; after a
+        restore, newer (unusable) checkpoints of this job are removed, so retention and
+        later restores never prefer an abandoned timeline.
+        """
+        self._check_open()
+        if self._pending:
+            self.maybe_finalize(blocking=True)
+        views: list[_restore.RankView] = _dist.all_gather_object(
+            _restore.local_view(self.memory_dir, self.durable_dir, self.rank == 0)
+        )
+        for candidate in _restore.candidates(views):
+            started = time.perf_counter()
+            try:
+                reader = _agreed(
+                    f"preparing the restore of {candidate.tier} step {candidate.step}",
+                    functools.partial(self._reader, candidate),
+                )
+                dcp.load(state_dict, storage_reader=reader)
+            except (CheckpointException, CheckpointingException) as exc:
+                logger.warning(
+                    "cannot restore %s step %d (%s); trying the next newest",
+                    candidate.tier,
+                    candidate.step,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
+                continue
+            logger.info(
+                "restored step %d from the %s tier in %.3fs",
+                candidate.step,
+                candidate.tier,
+                time.perf_counter() - started,
+            )
+            self.last_restore = {
+                "step": candidate.step,
+                "tier": candidate.tier,
+                "seconds": time.perf_counter() - started,
+                "files": dict(reader.fs.used),
+            }
+            self._forget_newer(candidate.step)
+            return candidate.step
+        return None
+
+    def _reader(self, candidate: _restore.Candidate) -> Any:
+        if candidate.tier == _restore.MEMORY:
+            return _restore.memory_reader(self.memory_dir, self.rank, candidate.step)
+        return _restore.durable_reader(self.durable_dir, candidate.step)
+
+    def _forget_newer(self, step: int) -> None:
+        """Resume from ``step``: drop newer checkpoints of the abandoned timeline."""
+        purge_newer(self.memory_dir, self.rank, step)
+        try:
+            owners = [int(n) for n in os.listdir(self.memory_dir) if n.isdigit()]
+        except FileNotFoundError:
+            owners = []
+        for owner in owners:  # directories of ranks beyond the new world size
+            if owner >= self.world_size and owner % self.world_size == self.rank:
+                purge_newer(self.memory_dir, owner, step)
+        if self.rank == 0:
+            backend = get_backend(self.durable_dir)
+            for name in backend.scan(self.durable_dir).dirs:
+                parsed = _restore.parse_step(name)
+                if parsed is not None and parsed > step:
+                    path = backend.join(self.durable_dir, name)
+                    backend.delete(backend.join(path, COMMIT_RECORD))
+                    backend.delete(path, recursive=True)
+        self._last_step = step
+        self._saves_since_durable = 0
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def close(self, abort: bool = False) -> None:
+        """Finalize pending saves (collective; ``abort``: drop them) and stop the background.
+
+        A failure of a pending save is raised after everything has been stopped.
+        """
+        if self._closed:
+            return
+        error: BaseException | None = None
+        if not abort and self._pending:
+            try:
+                self.maybe_finalize(blocking=True)
+            except BaseException as exc:
+                error = exc
+        self._closed = True
+        try:
+            self._queue.close(abort=abort or error is not None)
+        except BaseException as exc:
+            error = error or exc
+        self._replicator.close(self.timeouts.shutdown)
+        if error is not None:
+            raise error
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise QueueClosedError("this TieredCheckpointManager is closed; create a new one")
+
+    @property
+    def queue(self) -> AsyncCallsQueue:
+        """The async queue whose persistent worker writes both tiers (for the fault kit)."""
+        return self._queue
