@@ -55,7 +55,7 @@ from ..config import RetryPolicy
 from ..errors import CheckpointExistsError, CheckpointWriteError, ConfigurationError, StorageError
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
-from ..storage.commit import fsync_dir
+from ..storage.commit import RecordCommit
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
@@ -71,7 +71,6 @@ logger = get_logger(__name__)
 
 __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
 
-METADATA_NAME = ".metadata"
 # Extra attribute of the pickled Metadata (dcp.load ignores it): {"algorithm", "files"}.
 FILE_TABLE_ATTR = "resilient_ckpt_files"
 
@@ -179,12 +178,15 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
         self._prepare_directory()
 
+    def _commit(self) -> RecordCommit:
+        return RecordCommit(self._backend, self.checkpoint_dir, sync=self.sync_files)
+
     def _prepare_directory(self) -> None:
         self._backend.makedirs(self.checkpoint_dir)
         if not self.is_coordinator:
             return
-        commit = self._backend.join(self.checkpoint_dir, METADATA_NAME)
-        if self._backend.exists(commit):
+        commit = self._commit()
+        if commit.is_committed():
             if not self.overwrite:
                 raise CheckpointExistsError(
                     f"a checkpoint is already committed in {self.checkpoint_dir!r} and the "
@@ -193,9 +195,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             logger.warning("overwriting the checkpoint in %s", self.checkpoint_dir)
             # Uncommit first, durably: while new data files replace old ones, nobody may load
             # them, not even after a crash.
-            self._backend.delete(commit)
-            if self.sync_files and isinstance(self._backend, PosixBackend):
-                fsync_dir(self.checkpoint_dir)
+            commit.uncommit()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.rank is not None and not self.use_collectives:
@@ -349,9 +349,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             setattr(metadata, FILE_TABLE_ATTR, table)
         else:
             metadata.__dict__.pop(FILE_TABLE_ATTR, None)
-        path = self._backend.join(self.checkpoint_dir, METADATA_NAME)
-        with self._backend.open_write(path, sync=self.sync_files) as f:
-            pickle.dump(metadata, f)
+        self._commit().commit(lambda f: pickle.dump(metadata, f))
         logger.info("committed checkpoint %s", self.checkpoint_dir)
 
     # -- identity -----------------------------------------------------------------------------
