@@ -260,7 +260,9 @@ def verify_all(path: str, progress: Progress | None = None) -> list[Report]:
             e.kind,
             e.path,
             bool(e.verified) and e.complete,
-            e.problems if e.complete else ["not committed (incomplete)", *e.problems],
+            # A memory-tier step says itself why it is incomplete (no commit record, or a
+            # data file without a valid copy).
+            e.problems if e.complete or e.kind == "memory" else ["not committed (incomplete)"],
             e.nbytes,
             e.checks,
         )

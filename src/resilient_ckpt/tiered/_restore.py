@@ -26,7 +26,8 @@ from typing import Any
 from .._logging import get_logger
 from ..errors import CorruptCheckpointError
 from ..storage import get_backend
-from ..storage.retention import COMMIT_RECORD, list_checkpoints
+from ..storage.commit import COMMIT_RECORD
+from ..storage.retention import list_checkpoints
 from ._layout import METADATA_NAME, StepListing, parse_step, scan_memory, step_name
 from ._reader import VerifyingReader
 from ._writes import file_table

@@ -71,7 +71,8 @@ from ..errors import (
 from ..local.replication.group_utils import CliqueGroup, parse_group_sequence
 from ..local.replication.strategies import default_replication_jump
 from ..storage import get_backend
-from ..storage.retention import COMMIT_RECORD, prune_checkpoints
+from ..storage.commit import COMMIT_RECORD
+from ..storage.retention import prune_checkpoints
 from . import _restore
 from ._layout import memory_step_dir, purge_newer, rank_dir, remove_step, step_name
 from ._options import TieredOptions
