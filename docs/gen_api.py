@@ -42,6 +42,7 @@ MODULES = [
     ("resilient_ckpt.local.ckpt_managers.local_manager", "LocalCheckpointManager"),
     ("resilient_ckpt.local.replication.strategies", "clique replication"),
     ("resilient_ckpt.local.replication.group_utils", "process-group helpers for replication"),
+    ("resilient_ckpt.tiered.manager", "tiered checkpointing: RAM tier + peer replicas + durable"),
     ("resilient_ckpt.storage", "storage backends"),
     ("resilient_ckpt.storage.base", "the storage backend interface"),
     ("resilient_ckpt.storage.posix", "the POSIX backend"),

@@ -24,17 +24,18 @@ which it treats as a failed memory write.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import pickle
 import uuid
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
 
 from .._logging import get_logger
 from ..async_ckpt._dcp_write import FileRecord, WriteBucket, WriteJob, run_write_job, write_file
 from ..async_ckpt.filesystem_async import FILE_TABLE_ATTR, FileSystemWriterAsync
+from ..errors import CheckpointWriteError
 
 logger = get_logger(__name__)
 
@@ -52,7 +53,8 @@ def write_tiers(
         except Exception as exc:
             # Could not even record the outcome (tier full): the trainer notices the missing
             # report once this call ends; the durable copy must still be written.
-            logger.error("memory tier write of rank %d left no report: %r", rank, exc)
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            logger.error("memory tier write of rank %d left no report: %s", rank, first_line)
     if durable_job is not None:
         backend = durable_job.backend()
         retargeted = [
@@ -69,6 +71,8 @@ class DurableCopyWriter(FileSystemWriterAsync):
     file names, the same items) and makes its own job for the durable directory, so
     ``retrieve_write_results`` and ``finish`` (the DCP commit) work as for any async save.
     """
+
+    setup_error: Exception | None = None
 
     def adopt(self, memory_writer: FileSystemWriterAsync) -> None:
         buckets = memory_writer.write_buckets or []
@@ -90,7 +94,17 @@ class DurableCopyWriter(FileSystemWriterAsync):
 
     @property
     def job(self) -> WriteJob | None:
-        return self._job
+        return None if self.setup_error is not None else self._job
+
+    def retrieve_write_results(self) -> list[WriteResult]:
+        if self.setup_error is not None:
+            raise CheckpointWriteError(
+                f"rank {self._rank()}: could not prepare {self.checkpoint_dir!r}: "
+                f"{self.setup_error!r}",
+                rank=self._rank(),
+                path=str(self.checkpoint_dir),
+            ) from self.setup_error
+        return super().retrieve_write_results()
 
 
 def memory_job_of(writer: FileSystemWriterAsync) -> WriteJob | None:
@@ -127,7 +141,3 @@ def commit_metadata_bytes(
 def file_table(metadata: Any) -> dict[str, tuple[int, int]]:
     table = getattr(metadata, FILE_TABLE_ATTR, None) or {}
     return {name: (int(s), int(c)) for name, (s, c) in dict(table.get("files", {})).items()}
-
-
-def with_job_dir(job: WriteJob, checkpoint_dir: str) -> WriteJob:
-    return dataclasses.replace(job, checkpoint_dir=checkpoint_dir)

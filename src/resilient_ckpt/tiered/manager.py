@@ -251,13 +251,14 @@ class TieredCheckpointManager:
             sync_files=False,
             thread_count=self.options.thread_count,
         )
+        durable_writer = self._durable_writer(step) if goes_durable else None
         _, metadata, dist_wrapper = save_state_dict_async_plan(
             _plain_state(state_dict), writer, enable_cache=True, metadata_cache=self._cache
         )
         finalize_fns: list[Callable[[], None]] = []
         durable_job = None
-        if goes_durable:
-            durable_writer = self._durable_writer(step, writer)
+        if durable_writer is not None:
+            durable_writer.adopt(writer)
             durable_job = durable_job_of(durable_writer)
             durable_md = copy.copy(metadata) if metadata is not None else None
             finalize_fns.append(
@@ -284,7 +285,14 @@ class TieredCheckpointManager:
         self.timings[step] = {"plan": planned - started, "stage": staged - planned}
         self._phase(TieredPhase.STAGED, step)
 
-    def _durable_writer(self, step: int, memory_writer: FileSystemWriterAsync) -> DurableCopyWriter:
+    def _durable_writer(self, step: int) -> DurableCopyWriter:
+        """Set up the durable step directory, before planning (no collective of its own).
+
+        The coordinator removes a stale ``.metadata`` of this step first, and planning's
+        collective that follows orders that before any rank's worker writes data files. A
+        set-up failure is kept, not raised: raising on one rank here would leave the others
+        in the planning collective; it fails the durable commit on every rank instead.
+        """
         path = get_backend(self.durable_dir).join(self.durable_dir, step_name(step))
         writer = DurableCopyWriter(
             path,
@@ -292,13 +300,11 @@ class TieredCheckpointManager:
             sync_files=self.options.durable_sync,
             thread_count=self.options.thread_count,
         )
-        _agreed(
-            f"preparing durable step {step}",
-            lambda: writer.set_up_storage_writer(
-                self.rank == 0, rank=self.rank, use_collectives=True
-            ),
-        )
-        writer.adopt(memory_writer)
+        try:
+            writer.set_up_storage_writer(self.rank == 0, rank=self.rank, use_collectives=True)
+        except Exception as exc:
+            logger.error("cannot prepare durable step %d in %s: %r", step, path, exc)
+            writer.setup_error = exc
         return writer
 
     def _background_request(self, request: AsyncRequest) -> AsyncRequest:
