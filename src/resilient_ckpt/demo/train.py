@@ -16,7 +16,8 @@ Checkpoints: a :class:`~resilient_ckpt.tiered.TieredCheckpointManager` saves eve
 the memory tier (replicated to the peer on the other simulated node) and every
 ``--durable-every`` steps also to the durable tier. With ``--crash-at-step`` every rank
 SIGKILLs itself right after that step's save returned, with its writes still in flight.
-Rank 0 writes a JSON summary: the stall of every save, the memcpy floor, the resume.
+Rank 0 writes a JSON summary (the stall of every save, the memcpy floor, the resume) and
+appends each save's stall to ``--saves-log`` as it goes, so killed runs report theirs too.
 """
 
 from __future__ import annotations
@@ -215,7 +216,10 @@ def run(args: argparse.Namespace) -> None:
         durable = step % args.durable_every == 0
         manager.save(state, step, durable=durable)
         stall = time.perf_counter() - started
-        saves.append({"step": step, "durable": durable, "stall_s": stall})
+        saves.append({"step": step, "durable": durable, "stall_s": stall, "world_size": world})
+        if rank == 0 and args.saves_log:
+            with open(args.saves_log, "a") as f:  # line by line: a killed run keeps its own
+                f.write(json.dumps({**saves[-1], "first": len(saves) == 1}) + "\n")
         if step == args.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # writes of this save are still in flight
     if manager is not None:
@@ -241,6 +245,7 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--step-time", type=float, default=0.02)
     parser.add_argument("--no-save", action="store_true", help="the uninterrupted reference")
+    parser.add_argument("--saves-log", default="", help="rank 0 appends each save's stall")
     run(parser.parse_args())
 
 
