@@ -133,6 +133,7 @@ def _resume(
         for name, p in model.named_parameters():
             p.copy_(state["model"][name].full_tensor())
             optim.state[p]["momentum_buffer"] = state["optim"][name].full_tensor().clone()
+    recovery_s = time.perf_counter() - started
     report = getattr(manager, "last_restore", None) or {}
     files = report.get("files", {})
     own = os.path.join(manager.memory_dir, str(dist.get_rank())) + os.sep
@@ -144,7 +145,7 @@ def _resume(
         "step": step,
         "tier": report.get("tier", "?"),
         "load_s": loaded_s,
-        "recovery_s": time.perf_counter() - started,
+        "recovery_s": recovery_s,
         "world_size": dist.get_world_size(),
         "files_read": len(files),
         "files_from_other_ranks_dirs": int(foreign.item()),
