@@ -143,6 +143,8 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     }
     run(mgr, app, range(5, 8))  # durable: the 2nd save after the load (step 6)
     mgr.close()
+    barrier()
+    facts["departed"] = {o: s for o, s in layout(root).items() if int(o) >= world}
     return facts
 
 

@@ -70,6 +70,8 @@ def test_tiers_replicas_elastic_and_capacity(tmp_path):
     for facts in two:
         assert (facts["step"], facts["tier"], facts["exact"]) == (4, "memory", True)
         assert {_served_by(facts["files"], n) for n in facts["files"]} <= {"2", "3"}
+        # retention reaches the departed ranks' directories once newer steps are committed
+        assert facts["departed"] == {"2": {}, "3": {}}, facts["departed"]
 
     # 5. elastic 2 -> 4 from memory; 4. all memory lost -> durable; 2. the RAM tier full
     again = launch(_jobs.four_again, 4, root, timeout=240)
@@ -82,8 +84,7 @@ def test_tiers_replicas_elastic_and_capacity(tmp_path):
     if "skipped" in full[0]:
         pytest.skip(f"full-tier part needs a tmpfs mount: {full[0]['skipped']}")
     for facts in full:
-        assert facts["error"] is not None and "step 2" in facts["error"], facts["error"]
-        assert "No space left" in facts["error"] or "full" in facts["error"], facts["error"]
+        assert facts["error"] is not None and "No space left" in facts["error"], facts["error"]
         assert facts["step2_dirs"] == []  # nothing torn left behind
         assert facts["after_room"] == [3]
         assert (facts["restore"]["step"], facts["restore"]["exact"]) == (3, True)

@@ -131,21 +131,38 @@ def remove_step(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def prune_memory(memory_dir: str, rank: int, keep: int) -> list[int]:
+def prune_memory(memory_dir: str, rank: int, keep: int, world_size: int) -> list[int]:
     """Retention of this rank's memory directory: keep the newest ``keep`` committed steps;
     delete older ones, and uncommitted steps older than the newest commit (failed saves).
-    Steps newer than the newest commit may be saves in progress and are left alone."""
-    steps = own_steps(memory_dir, rank)
-    committed = sorted(s for s, c in steps.items() if c)
+    Steps newer than the newest commit may be saves in progress and are left alone.
+
+    After an elastic restore to fewer ranks, the directories of departed ranks (``owner >=
+    world_size``) still hold the step restored from; rank ``owner % world_size`` applies the
+    same rule to them, counting their commits with its own, so they go once ``keep`` newer
+    steps are committed.
+    """
+    owners = [rank] + [o for o in _owners(memory_dir) if o >= world_size and o % world_size == rank]
+    steps = {owner: own_steps(memory_dir, owner) for owner in owners}
+    committed = sorted({s for per in steps.values() for s, c in per.items() if c})
     if not committed:
         return []
     kept = set(committed[-keep:])
-    doomed = [s for s in sorted(steps) if s < committed[-1] and s not in kept]
-    for step in doomed:
-        remove_step(memory_step_dir(memory_dir, rank, step))
+    doomed = []
+    for owner, per in steps.items():
+        for step in sorted(per):
+            if step < committed[-1] and step not in kept:
+                remove_step(memory_step_dir(memory_dir, owner, step))
+                doomed.append(step)
     if doomed:
-        logger.info("memory tier retention (keep %d): removed steps %s", keep, doomed)
+        logger.info("memory tier retention (keep %d): removed steps %s", keep, sorted(doomed))
     return doomed
+
+
+def _owners(memory_dir: str) -> list[int]:
+    try:
+        return sorted(int(n) for n in os.listdir(memory_dir) if n.isdigit())
+    except FileNotFoundError:
+        return []
 
 
 def purge_newer(memory_dir: str, rank: int, step: int) -> list[int]:

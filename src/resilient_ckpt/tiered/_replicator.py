@@ -138,7 +138,7 @@ class Replicator:
             sum(r.size for r in records[self.rank]),
             time.perf_counter() - started,
         )
-        prune_memory(self.memory_dir, self.rank, self.keep_memory)
+        prune_memory(self.memory_dir, self.rank, self.keep_memory, dist.get_world_size(self.world))
 
     def _agree(
         self, save: MemorySave, what: str, error: BaseException | None, payload: Any = None

@@ -51,8 +51,12 @@ def write_tiers(
         try:
             run_write_job(memory_job, buckets, functools.partial(write_file, memory_job))
         except Exception as exc:
-            # Could not even record the outcome (tier full): the trainer notices the missing
-            # report once this call ends; the durable copy must still be written.
+            # Could not even record the outcome (tier full). Without a durable copy to write,
+            # fail the call: its error (the ENOSPC) then reaches every rank. Otherwise the
+            # durable copy must still be written; the trainer notices the missing report
+            # once this call ends.
+            if durable_job is None:
+                raise
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             logger.error("memory tier write of rank %d left no report: %s", rank, first_line)
     if durable_job is not None:

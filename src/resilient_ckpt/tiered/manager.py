@@ -28,6 +28,13 @@ What runs where (see the modules for each decision):
   re-raises any failure of either tier, on every rank.
 * ``load``: :mod:`._restore` picks the candidates, :mod:`._reader` reads and verifies.
 
+What the training thread waits for: in ``save``, the plan (with a cached plan, one small
+gloo all-gather that revalidates it) and the staging copy (a memcpy of the state into the
+arena; a wait only if both arenas still hold unwritten snapshots); in ``maybe_finalize``,
+one small gloo exchange per pending worker call and, for a durable save, its commit (an
+all-reduce of the write results and the coordinator's ``.metadata`` write). It never waits
+for the memory-tier writes, the replica exchange or the durable data writes.
+
 ``durable_every``: the ``durable_every``-th save after construction (or after a load), and
 every ``durable_every``-th after it, also goes durable; ``save(..., durable=True)`` forces one.
 """
