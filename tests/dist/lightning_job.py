@@ -22,7 +22,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_data import batch_for  # this script's directory is on sys.path
 
-from resilient_ckpt.integrations.lightning import LocalCheckpointCallback, ResilientCheckpointIO
+from resilient_ckpt.integrations.lightning import (
+    LocalCheckpointCallback,
+    ResilientCheckpointIO,
+    TieredCheckpointCallback,
+)
 
 
 class Steps(torch.utils.data.Dataset):
@@ -67,8 +71,13 @@ def main() -> None:
     parser.add_argument("--local-every", type=int, default=2)
     parser.add_argument("--global-every", type=int, default=10)
     parser.add_argument("--step-time", type=float, default=0.05)
+    parser.add_argument("--tiered", action="store_true", help="TieredCheckpointCallback only")
+    parser.add_argument("--durable-every", type=int, default=5)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    if args.tiered:
+        _fit_tiered(args)
+        return
     local = LocalCheckpointCallback(
         os.path.join(args.workdir, "local"),
         every_n_train_steps=args.local_every,
@@ -99,6 +108,35 @@ def main() -> None:
     if trainer.global_rank == 0:
         torch.save(model.net.state_dict(), os.path.join(args.workdir, "final.pt"))
         summary = {"resumed_from": checkpoint_io.resumed_from, "global_step": trainer.global_step}
+        with open(os.path.join(args.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f)
+
+
+def _fit_tiered(args: argparse.Namespace) -> None:
+    tiered = TieredCheckpointCallback(
+        os.path.join(args.workdir, "memory"),
+        os.path.join(args.workdir, "durable"),
+        every_n_train_steps=1,
+        durable_every=args.durable_every,
+        replication_jump=1,  # two ranks on one machine stand for two nodes
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=args.steps,
+        callbacks=[tiered],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.workdir,
+    )
+    model = Net(args.crash_at, args.step_time)
+    trainer.fit(model)
+    if trainer.global_rank == 0:
+        torch.save(model.net.state_dict(), os.path.join(args.workdir, "final.pt"))
+        summary = {"resumed_from": tiered.resumed_from, "global_step": trainer.global_step}
         with open(os.path.join(args.workdir, "summary.json"), "w") as f:
             json.dump(summary, f)
 

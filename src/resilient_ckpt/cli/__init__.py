@@ -6,14 +6,16 @@ shows a progress bar on stderr when stderr is a terminal (``--no-progress`` hide
 never shown with ``--json``). Exit status: 0 on success, 1 when a checkpoint fails
 verification or a run fails, 2 on bad usage. The verbs work on DCP checkpoint directories
 (ours and plain ``dcp.save`` ones), local per-rank checkpoints (``LocalCheckpointManager``'s
-root or a session directory) and ``torch.save`` files.
+root or a session directory), the memory tier of a tiered checkpoint (its durable tier is
+plain DCP; ``ls`` and ``verify`` take both roots at once) and ``torch.save`` files.
 
 The package is a face of the library (nothing in the library imports it):
 
 * ``command``: argument parsing and the verbs; ``main`` is the console script.
 * ``checkpoints``: what a checkpoint on disk is (DCP directory, local checkpoint session,
   ``torch.save`` file), found, verified, inspected and converted through the storage backend
-  of its path; ``local_checkpoints`` holds the local-checkpoint half of that.
+  of its path; ``local_checkpoints`` and ``memory_tier`` hold the local-checkpoint and
+  tiered-memory halves of that.
 * ``conversion``: format conversions that report bytes as they move.
 * ``bench`` and ``bench_plot``: running the benchmarks and drawing their figures.
 """

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Any
 
-DEFAULT_BENCHMARKS = ["async_save", "dcp_save", "local_ckpt"]
+DEFAULT_BENCHMARKS = ["async_save", "dcp_save", "local_ckpt", "tiered_recovery"]
 
 
 def bench_defaults(name: str, quick: bool) -> list[str]:
@@ -29,6 +29,8 @@ def bench_defaults(name: str, quick: bool) -> list[str]:
         return ["--ranks", "2", "--size", "32M", "--reps", "2", "--plan-tensors", "128"]
     if name == "local_ckpt":
         return ["--ranks", "2", "--size-mib", "32", "--repeats", "2"]
+    if name == "tiered_recovery":
+        return ["--ranks", "2", "--size-mib", "16", "--repeats", "2"]
     return []
 
 

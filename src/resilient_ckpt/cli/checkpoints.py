@@ -1,10 +1,11 @@
 """What the command-line tool knows about checkpoints on disk: find, verify, inspect, convert.
 
-Three kinds are recognised by their shape, never by a registry: a *DCP* checkpoint is a
+Four kinds are recognised by their shape, never by a registry: a *DCP* checkpoint is a
 directory holding ``.metadata`` (complete) or only ``__<rank>_<k>.distcp`` files
-(incomplete: never committed); a *local* checkpoint root holds
-``<session>/<rank>/iter_<n>_<owner>_local.*`` files; any other ``*.pt`` / ``*.pth`` file is a
-``torch.save`` file.
+(incomplete: never committed); a tiered checkpoint's *memory* tier holds
+``<rank>/step_<n>/`` directories (see ``memory_tier``; its durable tier is plain DCP); a
+*local* checkpoint root holds ``<session>/<rank>/iter_<n>_<owner>_local.*`` files; any
+other ``*.pt`` / ``*.pth`` file is a ``torch.save`` file.
 
 Listing and verification go through the storage backend of the path, so the same walk works
 on a local directory and on ``msc://<profile>/<prefix>``: one listing per level (with the
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointingException, ConfigurationError
-from ..storage import StorageBackend, get_backend
+from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.base import Listing, is_msc_url
 from ..storage.commit import RecordCommit, is_committed_listing
 
@@ -166,6 +167,10 @@ def _walk(
     if _is_dcp_listing(listing):
         entries.append(_dcp_entry(path, listing, verify, progress))
         return
+    memory = _memory_entries(backend, path, verify, progress)
+    if memory is not None:
+        entries.extend(memory)
+        return
     local = _local_entries(backend, path, listing, verify, progress)
     if local is not None:
         entries.extend(local)
@@ -217,6 +222,30 @@ def _local_entries(
     ]
 
 
+def _memory_entries(
+    backend: StorageBackend, path: str, verify: bool, progress: Progress | None
+) -> list[Entry] | None:
+    from . import memory_tier
+
+    # The memory tier is node-local RAM: plain paths only.
+    if not isinstance(backend, PosixBackend) or not memory_tier.is_memory_root(path):
+        return None
+    return [
+        Entry(
+            "memory",
+            path,
+            r["iteration"],
+            r["world_size"],
+            r["nbytes"],
+            r["complete"],
+            r["verified"],
+            r["problems"],
+            "crc32" if verify else "",
+        )
+        for r in memory_tier.summarize(path, verify, progress)
+    ]
+
+
 def total_bytes(path: str) -> int:
     """What ``verify_all`` reads, to size a progress bar (listing only)."""
     backend = get_backend(path)
@@ -231,7 +260,9 @@ def verify_all(path: str, progress: Progress | None = None) -> list[Report]:
             e.kind,
             e.path,
             bool(e.verified) and e.complete,
-            e.problems if e.complete else ["not committed (incomplete)"],
+            # A memory-tier step says itself why it is incomplete (no commit record, or a
+            # data file without a valid copy).
+            e.problems if e.complete or e.kind == "memory" else ["not committed (incomplete)"],
             e.nbytes,
             e.checks,
         )
@@ -282,13 +313,17 @@ def inspect(path: str) -> list[dict[str, Any]]:
     if backend.exists(path) and not backend.is_dir(path):
         _describe("", _load_file(path), out)
         return out
-    from . import local_checkpoints
+    from . import local_checkpoints, memory_tier
 
     if local_checkpoints.is_session_dir(path):
         _describe("", local_checkpoints.load_iteration(path), out)
         return out
+    if memory_tier.is_memory_root(path):
+        # Every step directory's commit record is the global metadata: the newest will do.
+        return inspect(os.path.dirname(memory_tier.newest_metadata(path)))
     raise ConfigurationError(
-        f"{path!r} is not a DCP checkpoint, a local checkpoint session or a checkpoint file"
+        f"{path!r} is not a DCP checkpoint, a tiered checkpoint's memory tier, a local "
+        "checkpoint session or a checkpoint file"
     )
 
 

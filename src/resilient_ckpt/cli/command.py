@@ -55,10 +55,15 @@ def _progress_bar(args: argparse.Namespace, total: int, desc: str) -> Any:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     if args.verify:
-        with _progress_bar(args, checkpoints.total_bytes(args.path), "verifying") as bar:
-            entries = checkpoints.discover(args.path, verify=True, progress=bar.update)
+        total = sum(checkpoints.total_bytes(p) for p in args.paths)
+        with _progress_bar(args, total, "verifying") as bar:
+            entries = [
+                e
+                for p in args.paths
+                for e in checkpoints.discover(p, verify=True, progress=bar.update)
+            ]
     else:
-        entries = checkpoints.discover(args.path)
+        entries = [e for p in args.paths for e in checkpoints.discover(p)]
     rows = [
         [
             e.kind,
@@ -78,7 +83,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         ["kind", "path", "iteration", "world", "bytes", "complete", "verified"],
     )
     if not entries and not args.json:
-        print(f"no checkpoints under {args.path}")
+        print(f"no checkpoints under {' '.join(args.paths)}")
     return 0
 
 
@@ -90,19 +95,20 @@ _CHECKS = {
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    with _progress_bar(args, checkpoints.total_bytes(args.path), "verifying") as bar:
-        reports = checkpoints.verify_all(args.path, progress=bar.update)
+    total = sum(checkpoints.total_bytes(p) for p in args.paths)
+    with _progress_bar(args, total, "verifying") as bar:
+        reports = [r for p in args.paths for r in checkpoints.verify_all(p, progress=bar.update)]
     ok = all(r.ok for r in reports) and bool(reports)
     if args.json:
         _emit(args, {"ok": ok, "checkpoints": [r.as_dict() for r in reports]}, None)
     for r in reports if not args.json else []:
         checks = f", {_CHECKS.get(r.checks, r.checks)}" if r.checks else ""
         status = "ok    " if r.ok else "FAILED"
-        print(f"{status}  {r.kind:5s}  {r.path}  ({checkpoints.human(r.nbytes)}{checks})")
+        print(f"{status}  {r.kind:6s}  {r.path}  ({checkpoints.human(r.nbytes)}{checks})")
         for problem in r.problems:
             print(f"        - {problem}")
     if not reports:
-        print(f"no checkpoint found at {args.path}", file=sys.stderr)
+        print(f"no checkpoint found at {' '.join(args.paths)}", file=sys.stderr)
     elif not args.json:
         failed = sum(not r.ok for r in reports)
         print(f"{len(reports)} checkpoint(s) checked, {failed} failed")
@@ -174,12 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resilient-ckpt", description=__doc__.splitlines()[0])
     _common_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ls", help="list every checkpoint under a directory")
-    p.add_argument("path")
+    p = sub.add_parser(
+        "ls", help="list every checkpoint under directories (e.g. both tiers of a tiered one)"
+    )
+    p.add_argument("paths", nargs="+", metavar="path")
     p.add_argument("--verify", action="store_true", help="also re-read and check every file")
     p.set_defaults(func=_cmd_ls)
     p = sub.add_parser("verify", help="re-read every part; non-zero exit on any problem")
-    p.add_argument("path")
+    p.add_argument("paths", nargs="+", metavar="path")
     p.set_defaults(func=_cmd_verify)
     p = sub.add_parser("inspect", help="tensor keys, shapes, dtypes and sizes")
     p.add_argument("path")

@@ -1,18 +1,23 @@
 """One training job of the demo, run under ``torchrun`` on CPU (gloo).
 
-A small MLP, data-parallel with SGD+momentum, learns a fixed regression target; batches are a pure
-function of (step, rank), so a resumed run sees exactly the data an uninterrupted run would.
-Two kinds of checkpoint share one :class:`~resilient_ckpt.AsyncCallsQueue`:
+A small MLP learns a fixed regression target with SGD+momentum. The checkpointed state is
+sharded the way FSDP shards it: every parameter and momentum buffer is saved as a
+``DTensor`` with ``Shard(0)`` over all ranks, so each rank owns a different slice, a lost
+rank's slice exists only in its peers' replicas, and a job at another world size needs
+slices cut differently (elastic restore). The arithmetic itself runs on full replicas.
 
-* every ``--dcp-every`` steps an async ``torch.distributed.checkpoint`` save
-  (:class:`FileSystemWriterAsync`, plan caching on) to ``<ckpt>/dcp/iter_<step>``, committed
-  by its ``.metadata``;
-* every ``--local-every`` steps a local per-rank save (:class:`LocalCheckpointManager`) with
-  replication factor 2, so losing one rank's files of each clique loses nothing.
+Bit-exact at any world size: every step consumes the same ``MICRO`` micro-batches (a pure
+function of the step and the micro-batch index), spread over the ranks; each micro-batch's
+gradient is computed alone, all of them are gathered, and every rank sums them in
+micro-batch order. So 4 ranks and 2 ranks compute the same bits, and a run resumed from a
+checkpoint (at either size) ends with the weights of an uninterrupted one.
 
-At start the job resumes from the newer of the two. With ``--crash-at-step`` every rank
-SIGKILLs itself there, mid-training, with saves possibly in flight. Rank 0 writes a JSON
-summary of its saves (stall per save, bytes) and of the resume (recovery time).
+Checkpoints: a :class:`~resilient_ckpt.tiered.TieredCheckpointManager` saves every step to
+the memory tier (replicated to the peer on the other simulated node) and every
+``--durable-every`` steps also to the durable tier. With ``--crash-at-step`` every rank
+SIGKILLs itself right after that step's save returned, with its writes still in flight.
+Rank 0 writes a JSON summary (the stall of every save, the memcpy floor, the resume) and
+appends each save's stall to ``--saves-log`` as it goes, so killed runs report theirs too.
 """
 
 from __future__ import annotations
@@ -27,24 +32,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ..async_ckpt.core import AsyncCallsQueue, AsyncRequest
-from ..async_ckpt.filesystem_async import FileSystemWriterAsync
-from ..async_ckpt.state_dict_saver import (
-    save_state_dict_async_finalize,
-    save_state_dict_async_plan,
-)
-from ..local import BasicTensorAwareStateDict, CliqueReplicationStrategy, LocalCheckpointManager
-from ..storage.commit import COMMIT_RECORD
+from ..tiered import TieredCheckpointManager
 
 HIDDEN = 512
+MICRO = 4  # micro-batches per step; the world size must divide it
 
 
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(64, 32, generator=gen)
+def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randn(32, 32, generator=gen)
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
@@ -59,39 +58,103 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _average_gradients(model: torch.nn.Module) -> None:
-    """Data parallelism with a fixed reduction order.
-
-    DDP re-buckets gradients after its first iteration, so a resumed run would sum them in
-    another order than an uninterrupted one did and differ in the last bits. One all-reduce
-    per parameter, always in the same order, keeps resumed runs bit-exact.
-    """
-    world = dist.get_world_size()
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad)
-            param.grad.div_(world)
-
-
-def _state(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> dict[str, Any]:
-    # FQN-keyed optimizer state (DCP needs string keys; optimizer.state_dict() uses ints).
-    model_sd, optim_sd = get_state_dict(model, optim)
-    return {"model": model_sd, "optim": optim_sd, "step": step}
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+def _train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    """One step over all ``MICRO`` micro-batches, summed in a fixed order (see module doc)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = list(model.parameters())
+    mine = []
+    for micro in range(rank * MICRO // world, (rank + 1) * MICRO // world):
+        model.zero_grad(set_to_none=True)
+        x, y = _batch(step, micro)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        mine.append(torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]))
+    local = torch.stack(mine)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    grads = [g for block in gathered for g in block]  # micro-batch order
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total += g
+    total /= MICRO
+    offset = 0
+    for p in params:
+        p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    optim.step()
 
 
-def _memcpy_floor(state: dict[str, Any]) -> float:
-    """Median time to copy the state's bytes into pre-allocated shared memory."""
-    tensors = [t for t in _flat(state) if t.numel()]
+def _shard(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    # src_data_rank=None: every rank holds the full tensor and keeps its own slice, no comms.
+    return distribute_tensor(tensor.detach(), mesh, [Shard(0)], src_data_rank=None)
+
+
+def _state(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, mesh: DeviceMesh, step: int
+) -> dict[str, Any]:
+    named = dict(model.named_parameters())
+    momentum = {
+        name: optim.state[p]["momentum_buffer"]
+        for name, p in named.items()
+        if "momentum_buffer" in optim.state.get(p, {})
+    }
+    return {
+        "model": {name: _shard(p, mesh) for name, p in named.items()},
+        "optim": {name: _shard(m, mesh) for name, m in momentum.items()},
+        "step": step,
+    }
+
+
+def _template(model: torch.nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
+    """The state to load into: this world size's slices, and momentum for every parameter
+    (a checkpoint is only ever taken after an optimizer step)."""
+    named = dict(model.named_parameters())
+    return {
+        "model": {name: _shard(torch.zeros_like(p), mesh) for name, p in named.items()},
+        "optim": {name: _shard(torch.zeros_like(p), mesh) for name, p in named.items()},
+        "step": -1,
+    }
+
+
+def _resume(
+    manager: TieredCheckpointManager,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    mesh: DeviceMesh,
+) -> tuple[int, dict[str, Any]]:
+    started = time.perf_counter()
+    state = _template(model, mesh)
+    step = manager.load(state)
+    loaded_s = time.perf_counter() - started
+    if step is None:
+        return 0, {}
+    if state["step"] != step:
+        raise RuntimeError(f"checkpoint of step {step} holds step {state['step']}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state["model"][name].full_tensor())
+            optim.state[p]["momentum_buffer"] = state["optim"][name].full_tensor().clone()
+    recovery_s = time.perf_counter() - started
+    report = getattr(manager, "last_restore", None) or {}
+    files = report.get("files", {})
+    own = os.path.join(manager.memory_dir, str(dist.get_rank())) + os.sep
+    # Data files this restore read from another rank's directory (a replica or, after a
+    # world size change, a shard another rank wrote), summed over the ranks.
+    foreign = torch.tensor([sum(not str(p).startswith(own) for p in files.values())])
+    dist.all_reduce(foreign)
+    return step, {
+        "step": step,
+        "tier": report.get("tier", "?"),
+        "load_s": loaded_s,
+        "recovery_s": recovery_s,
+        "world_size": dist.get_world_size(),
+        "files_read": len(files),
+        "files_from_other_ranks_dirs": int(foreign.item()),
+    }
+
+
+def _memcpy_floor(state: dict[str, Any]) -> tuple[float, int]:
+    """Median time to copy this rank's shards into pre-allocated shared memory, and bytes."""
+    tensors = [t.to_local() for part in ("model", "optim") for t in state[part].values()]
     dst = [torch.empty_like(t).share_memory_() for t in tensors]
     samples = []
     for _ in range(7):
@@ -99,146 +162,91 @@ def _memcpy_floor(state: dict[str, Any]) -> float:
         for d, t in zip(dst, tensors, strict=True):
             d.copy_(t)
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples[1:])
+    return statistics.median(samples[1:]), sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _flat(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _flat(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _flat(v)]
-    return []
-
-
-def _latest_dcp(dcp_root: str) -> int:
-    steps = [
-        int(n.split("_")[1])
-        for n in os.listdir(dcp_root)
-        if n.startswith("iter_") and os.path.exists(os.path.join(dcp_root, n, COMMIT_RECORD))
-    ]
-    return max(steps, default=-1)
-
-
-def _resume(
-    args: argparse.Namespace,
-    manager: LocalCheckpointManager,
-    model: torch.nn.Module,
-    optim: torch.optim.Optimizer,
-) -> tuple[int, dict[str, Any]]:
-    started = time.perf_counter()
-    local_step = manager.find_latest()
-    dcp_step = _latest_dcp(os.path.join(args.ckpt_dir, "dcp"))
-    info: dict[str, Any] = {"local_latest": local_step, "dcp_latest": dcp_step}
-    if local_step == -1 and dcp_step == -1:
-        return 0, info
-    if local_step >= dcp_step:
-        tensor_state, _ = manager.load()
-        if not isinstance(tensor_state, BasicTensorAwareStateDict):
-            raise TypeError(f"unexpected local checkpoint type {type(tensor_state).__name__}")
-        state = tensor_state.state_dict
-        info["source"] = "local"
-    else:
-        state = _state(model, optim, 0)
-        dcp.load(state, checkpoint_id=os.path.join(args.ckpt_dir, "dcp", f"iter_{dcp_step:07d}"))
-        info["source"] = "dcp"
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    info["recovery_s"] = time.perf_counter() - started
-    return int(state["step"]), info
-
-
-def _save_dcp(args: argparse.Namespace, queue: AsyncCallsQueue, state: dict, step: int) -> int:
-    writer = FileSystemWriterAsync(
-        os.path.join(args.ckpt_dir, "dcp", f"iter_{step:07d}"), thread_count=2
-    )
-    plan = save_state_dict_async_plan(state, writer, enable_cache=True)
-    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-    finalize = [lambda: save_state_dict_async_finalize(*plan)]
-    return queue.schedule_async_request(
-        AsyncRequest(save_fn, save_args, finalize, preload_fn=preload_fn)
-    )
+def _write_summary(path: str, summary: dict[str, Any]) -> None:
+    # Written after the resume too: a killed run leaves at least how it resumed.
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f)
+    os.replace(path + ".tmp", path)
 
 
 def run(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    AsyncCallsQueue.warmup_persistent_caller(rank)
-    os.makedirs(os.path.join(args.ckpt_dir, "dcp"), exist_ok=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if MICRO % world:
+        raise SystemExit(f"the world size must divide {MICRO}, got {world}")
+    mesh = init_device_mesh("cpu", (world,))
     model = _model()
     optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    repl = CliqueReplicationStrategy.from_replication_params(
-        replication_jump=1, replication_factor=2
-    )
-    manager = LocalCheckpointManager(
-        os.path.join(args.ckpt_dir, "local"), session_id="demo", repl_strategy=repl
-    )
-    start, resume = _resume(args, manager, model, optim)
+    manager = None
+    start = 0
+    resume: dict[str, Any] = {}
+    if not args.no_save:
+        # Two simulated nodes of world/2 ranks each: a rank's copy lives on the other node.
+        manager = TieredCheckpointManager(
+            args.memory_dir,
+            args.durable_dir,
+            replication_factor=2,
+            replication_jump=max(1, world // 2),
+            durable_every=args.durable_every,
+        )
+        start, resume = _resume(manager, model, optim, mesh)
+    if rank == 0:
+        _write_summary(args.summary, {"resume": resume, "world_size": world})
     if rank == 0 and start:
         print(
-            f"[demo] resumed at step {start} from the {resume['source']} checkpoint "
-            f"(local latest {resume['local_latest']}, DCP latest {resume['dcp_latest']}) in "
-            f"{resume['recovery_s']:.2f}s",
+            f"[demo]     resumed at step {start} on {world} ranks in "
+            f"{resume['recovery_s']:.2f}s from the {resume['tier']} tier",
             flush=True,
         )
-    queue = AsyncCallsQueue()
     saves: list[dict[str, Any]] = []
-    floor = None
+    floor: tuple[float, int] | None = None
     for step in range(start + 1, args.steps + 1):
-        queue.maybe_finalize_async_calls(blocking=False, no_dist=False)
-        x, y = _batch(step, rank)
-        optim.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        _average_gradients(model)
-        optim.step()
+        if manager is not None:
+            manager.maybe_finalize(blocking=False)
+        _train_step(model, optim, step)
         time.sleep(args.step_time)  # stands in for the rest of a real step's compute
+        if manager is None:
+            continue
+        state = _state(model, optim, mesh, step)
+        floor = floor or _memcpy_floor(state)
+        started = time.perf_counter()
+        # Durable at step multiples (the manager's own count restarts with every job).
+        durable = step % args.durable_every == 0
+        manager.save(state, step, durable=durable)
+        stall = time.perf_counter() - started
+        saves.append({"step": step, "durable": durable, "stall_s": stall, "world_size": world})
+        if rank == 0 and args.saves_log:
+            with open(args.saves_log, "a") as f:  # line by line: a killed run keeps its own
+                f.write(json.dumps({**saves[-1], "first": len(saves) == 1}) + "\n")
         if step == args.crash_at_step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        state = _state(model, optim, step)
-        floor = floor if floor is not None else _memcpy_floor(state)
-        for kind, every in (("dcp", args.dcp_every), ("local", args.local_every)):
-            if step % every:
-                continue
-            started = time.perf_counter()
-            if kind == "dcp":
-                idx = _save_dcp(args, queue, state, step)
-            else:
-                request = manager.save(BasicTensorAwareStateDict(state), step, is_async=True)
-                if request is None:
-                    raise RuntimeError("LocalCheckpointManager.save(is_async=True) gave no request")
-                idx = queue.schedule_async_request(request)
-            saves.append(
-                {
-                    "kind": kind,
-                    "step": step,
-                    "idx": idx,
-                    "bytes": _nbytes(state),
-                    "stall_s": time.perf_counter() - started,
-                }
-            )
-    queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
-    for save in saves:
-        timings = queue.timings.get(save["idx"], {})
-        save["write_s"] = timings.get("write", 0.0)
-        save["finalize_s"] = timings.get("finalize", 0.0)
-    queue.close()
+            os.kill(os.getpid(), signal.SIGKILL)  # writes of this save are still in flight
+    if manager is not None:
+        manager.maybe_finalize(blocking=True)
+        manager.close()
     if rank == 0:
         torch.save(model.state_dict(), args.final)
-        with open(args.summary, "w") as f:
-            json.dump({"saves": saves, "memcpy_floor_s": floor, "resume": resume}, f)
+        summary = {"saves": saves, "resume": resume, "world_size": world}
+        if floor is not None:
+            summary.update(memcpy_floor_s=floor[0], shard_bytes=floor[1])
+        _write_summary(args.summary, summary)
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ckpt-dir", required=True)
+    parser.add_argument("--memory-dir", default="")
+    parser.add_argument("--durable-dir", default="")
     parser.add_argument("--final", required=True)
     parser.add_argument("--summary", required=True)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--dcp-every", type=int, default=10)
-    parser.add_argument("--local-every", type=int, default=2)
+    parser.add_argument("--durable-every", type=int, default=10)
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--step-time", type=float, default=0.02)
+    parser.add_argument("--no-save", action="store_true", help="the uninterrupted reference")
+    parser.add_argument("--saves-log", default="", help="rank 0 appends each save's stall")
     run(parser.parse_args())
 
 

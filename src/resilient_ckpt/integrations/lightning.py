@@ -1,5 +1,8 @@
 """PyTorch Lightning: asynchronous global checkpoints and replicated local checkpoints.
 
+(The tiered mode, :class:`TieredCheckpointCallback`, lives in :mod:`.lightning_tiered` and
+is re-exported here.)
+
 Two pieces, used together (``pip install 'resilient-ckpt[lightning]'``)::
 
     local = LocalCheckpointCallback("/local_ssd/ckpt", every_n_train_steps=100)
@@ -72,10 +75,11 @@ from ..local import (
     CliqueReplicationStrategy,
     LocalCheckpointManager,
 )
+from .lightning_tiered import TieredCheckpointCallback
 
 logger = get_logger(__name__)
 
-__all__ = ["LocalCheckpointCallback", "ResilientCheckpointIO"]
+__all__ = ["LocalCheckpointCallback", "ResilientCheckpointIO", "TieredCheckpointCallback"]
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
