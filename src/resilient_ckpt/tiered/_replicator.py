@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from .. import _dist
 from .._logging import get_logger
-from ..async_ckpt._dcp_write import FileRecord, WriteJob, discard_report, load_report
+from ..async_ckpt._dcp_run import discard_report, load_report
+from ..async_ckpt._dcp_write import FileRecord, WriteJob
 from ..errors import CheckpointingException, CheckpointTimeoutError, StorageError
 from ..local.replication.group_utils import CliqueGroup
 from ..storage.posix import PosixBackend
