@@ -66,6 +66,7 @@ from .._format import (
 from .._manifest import CopyInfo
 from .._writer import Source, on_host
 from ..base_state_dict import TensorAwareStateDict
+from ..replication import _chunked
 from ..replication.strategies import ReplicationStrategy
 from . import _catalogue
 
@@ -257,6 +258,8 @@ class BaseCheckpointManager(ABC):
         """
         me, world = self.rank, self.world_size
         first = self._first_round(me, iteration, use_replicas)
+        if use_replicas and not any(c.owner == me for c in first):
+            self._expect_transfer(iteration)
         _, verified = agree_gather(
             "local checkpoint verification", lambda: (None, self._verify_all(first))
         )
@@ -292,6 +295,15 @@ class BaseCheckpointManager(ABC):
             for holder, owners in enumerate(owners_by_holder)
         }
 
+    def _expect_transfer(self, iteration: int) -> None:
+        """This rank holds no copy of its shard: prepare the buffer a peer will fill (while
+        the peers verify what they will send; see ``replication._chunked``)."""
+        for copies in self._catalogue:
+            for copy in copies:
+                if copy.iteration == iteration and copy.owner == self.rank:
+                    _chunked.reserve(copy.size)
+                    return
+
     def _discard_newer(self, latest: int) -> None:
         mine = self._catalogue[self.rank] if self._catalogue else []
         stale = sorted({c.iteration for c in mine if c.iteration > latest} - self._inflight)
@@ -301,6 +313,7 @@ class BaseCheckpointManager(ABC):
 
     def _drop_cache(self) -> None:
         self._verified.clear()
+        _chunked.release_reserved()
 
     # -- load -------------------------------------------------------------------------------
 
@@ -354,12 +367,17 @@ class BaseCheckpointManager(ABC):
         buffer = shard.data if isinstance(shard, ShardBuffer) else serialize(plan_shard(shard))
         sender = next(e.sender for e in plan.entries if e.receiver == self.rank and e.id_ == my_id)
         if sender != self.rank:
-            self._check_received(buffer, sender, my_id)
+            arrived = shard.arrived_crc32 if isinstance(shard, ShardBuffer) else None
+            self._check_received(buffer, sender, my_id, arrived)
         return buffer
 
-    def _check_received(self, buffer: torch.Tensor, sender: int, ckpt_id: CkptID) -> None:
+    def _check_received(
+        self, buffer: torch.Tensor, sender: int, ckpt_id: CkptID, arrived: int | None = None
+    ) -> None:
+        """Compare the received bytes' CRC (``arrived``: measured during the transfer)
+        with the sender's manifest."""
         copy = _catalogue.find_copy(self._catalogue, sender, ckpt_id[0], ckpt_id[1])
-        if copy is not None and crc_of(buffer) != copy.crc32:
+        if copy is not None and (crc_of(buffer) if arrived is None else arrived) != copy.crc32:
             raise CorruptCheckpointError(
                 f"copy of {ckpt_id} received from rank {sender} does not match its checksum"
             )
