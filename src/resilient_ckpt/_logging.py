@@ -12,15 +12,12 @@ from collections.abc import MutableMapping
 from typing import Any
 
 
-def current_rank() -> int | None:
-    """The global rank if ``torch.distributed`` is initialised, else ``None``."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        return None
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return None
+def _process_rank() -> int | None:
+    """This process's rank once a process group exists (no prefix before)."""
+    # Imported on use: _dist logs through this module, so it cannot be imported at the top.
+    from . import _dist
+
+    return _dist.rank() if _dist.has_process_group() else None
 
 
 class RankAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -30,7 +27,7 @@ class RankAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
     fixed_rank: int | None = None
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
-        rank = RankAdapter.fixed_rank if RankAdapter.fixed_rank is not None else current_rank()
+        rank = RankAdapter.fixed_rank if RankAdapter.fixed_rank is not None else _process_rank()
         if rank is None:
             return msg, kwargs
         return f"[{RankAdapter.role} {rank}] {msg}", kwargs

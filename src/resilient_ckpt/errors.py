@@ -7,11 +7,38 @@ for bad arguments), our class also derives from that builtin, so both spellings 
 
 Errors carry structure (rank, call index, path) as attributes and say what to do in their
 message; causes are chained with ``raise ... from``.
+
+A step that failed on some ranks raises :class:`RankFailureError` (or a subclass keeping
+the class callers catch, e.g. ``RankConfigurationError``) on every rank: it derives from
+``CheckpointingException`` *and* torch's ``CheckpointException``. Those classes live in
+:mod:`._rank_errors` and are handed out here on first use, because importing torch's class
+costs about a second that this module (imported by every background worker) must not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+_RANK_ERRORS = (
+    "RankAsyncCallFailedError",
+    "RankConfigurationError",
+    "RankCorruptCheckpointError",
+    "RankFailureError",
+    "RankStorageError",
+    "RankWorkerDiedError",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RANK_ERRORS:
+        from . import _rank_errors
+
+        return getattr(_rank_errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class CheckpointingException(Exception):
@@ -39,7 +66,11 @@ class StagingError(CheckpointingException):
 
 
 class WorkerError(CheckpointingException):
-    """An async request failed in the background; raised on every rank."""
+    """An async request failed in the background.
+
+    Raised on every rank as :class:`RankAsyncCallFailedError` / :class:`RankWorkerDiedError`
+    (subclasses of the classes below and of :class:`RankFailureError`).
+    """
 
     def __init__(
         self, message: str, *, call_idx: int | None = None, failed_ranks: Sequence[int] = ()
@@ -157,7 +188,8 @@ class CheckpointWriteError(CheckpointingException):
     """One rank's background write of a distributed checkpoint failed (or left no result).
 
     Raised in the trainer by ``retrieve_write_results``; ``save_state_dict_async_finalize``
-    gathers it and raises ``torch.distributed.checkpoint.CheckpointException`` on every rank.
+    gathers it and raises :class:`RankFailureError` (also torch's ``CheckpointException``)
+    on every rank.
     Picklable with its attributes, because it travels between ranks.
     """
 

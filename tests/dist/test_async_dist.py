@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient_ckpt.async_ckpt import _completion
+from resilient_ckpt import _dist
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.config import Timeouts
 from resilient_ckpt.errors import AsyncCallFailedError, RemoteTraceback, WorkerDiedError
@@ -36,7 +36,7 @@ def _completion_and_fifo(rank: int, world: int, tmpdir: str, persistent: bool) -
     idxs = queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
     values = [float(torch.load(os.path.join(tmpdir, f"r{rank}_{i}.pt"))["w"][0])
               for i in range(3)]
-    group = _completion.library_group(FAST.collective)
+    group = _dist.library_group(FAST.collective)
     backend = dist.get_backend(group)
     queue.close()
     return {"idxs": idxs, "finalized": finalized, "values": values, "backend": backend}

@@ -18,7 +18,6 @@ import torch
 import torch.distributed
 import torch.distributed.checkpoint as dcp
 
-from resilient_ckpt.async_ckpt._files import fsync_dir
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
@@ -32,6 +31,7 @@ from resilient_ckpt.local import (
     CliqueReplicationStrategy,
     LocalCheckpointManager,
 )
+from resilient_ckpt.storage.commit import fsync_dir
 from resilient_ckpt.testing import RankFailure, RankTimeout, launch
 from resilient_ckpt.testing.faults import (
     Fault,

@@ -8,6 +8,7 @@ import pytest
 
 from resilient_ckpt.config import ObjectStoreOptions
 from resilient_ckpt.storage import PosixBackend, StorageBackend, get_backend
+from resilient_ckpt.storage.commit import RecordCommit, is_committed_listing
 from resilient_ckpt.storage.msc import MscBackend
 
 pytestmark = [pytest.mark.objstore, pytest.mark.timeout(60)]
@@ -89,3 +90,37 @@ def test_msc_large_objects_spill_to_a_file(msc_store, tmp_path) -> None:
     assert _read(backend, path) == payload
     assert msc_store.keys() == ["big.bin"]
     assert os.listdir(spool) == []  # nothing left behind
+
+
+def check_record_commit(backend: StorageBackend, root: str) -> None:
+    """The commit object on this backend: the record is written last and whole, uncommit
+    hides the checkpoint, discard removes it record first."""
+    ckpt = backend.join(root, "iter_2")
+    backend.makedirs(ckpt)
+    _write(backend, backend.join(ckpt, "__0_0.distcp"), b"data")
+    commit = RecordCommit(backend, ckpt)
+    assert not commit.is_committed() and not is_committed_listing(backend.scan(ckpt))
+    with pytest.raises(RuntimeError, match="boom"):
+        commit.commit(lambda f: (f.write(b"partial"), _raise_boom()))
+    assert not commit.is_committed()  # a failed commit leaves no record
+    commit.commit(lambda f: f.write(b"record"))
+    assert commit.is_committed() and is_committed_listing(backend.scan(ckpt))
+    assert _read(backend, commit.record_path) == b"record"
+    commit.uncommit()
+    assert not commit.is_committed() and backend.exists(backend.join(ckpt, "__0_0.distcp"))
+    commit.uncommit()  # already uncommitted is fine
+    commit.commit(lambda f: f.write(b"again"))
+    commit.discard()
+    assert not backend.exists(ckpt)
+
+
+def _raise_boom() -> None:
+    raise RuntimeError("boom")
+
+
+def test_posix_record_commit(tmp_path) -> None:
+    check_record_commit(PosixBackend(), str(tmp_path))
+
+
+def test_msc_record_commit(msc_store) -> None:
+    check_record_commit(get_backend(msc_store.url()), msc_store.url())

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .. import _dist
 from .._logging import get_logger
 from ..config import Timeouts, default_timeouts
 from ..errors import (
@@ -37,7 +38,6 @@ from ..errors import (
     InvalidRequestError,
     RemoteTraceback,
     WorkerDiedError,
-    WorkerError,
 )
 from . import _completion
 from ._completion import State
@@ -120,42 +120,20 @@ class AsyncCaller(ABC):
         )
         return all(r.state != State.RUNNING for r in records)
 
+    def _log_dropped_failure(self, call_idx: int, status: LocalStatus) -> None:
+        """Say so when ``close`` discards the error of a call nobody finalized."""
+        if status.state == State.FAILED and call_idx in self._unfinalized:
+            logger.warning(
+                "closing the caller drops the error of unfinalized async request %d: %s",
+                call_idx,
+                status.error,
+            )
+
     def __del__(self) -> None:
         try:
             self.close(abort=True)
-        except Exception:
-            pass
-
-
-def _failure_summary(rank: int, status: LocalStatus) -> tuple[int, str, str, str | None, Any]:
-    err = status.error
-    kind = "died" if isinstance(err, WorkerDiedError) else "failed"
-    cause = getattr(err, "__cause__", None)
-    tb = cause.tb if isinstance(cause, RemoteTraceback) else None
-    return rank, kind, str(err), tb, getattr(err, "exitcode", None)
-
-
-def _raise_failure(call_idx: int, status: LocalStatus, timeouts: Timeouts, no_dist: bool) -> None:
-    """Every rank raises the same error, naming every failed rank (one extra collective)."""
-    rank = _completion.my_rank()
-    mine = _failure_summary(rank, status) if status.state == State.FAILED else None
-    gathered = [mine] if no_dist else _completion.gather_objects(mine, timeouts.collective)
-    summaries = [s for s in gathered if s]
-    failed = [s[0] for s in summaries]
-    lines = "\n".join(f"  {s[2]}" for s in summaries)
-    message = f"async request {call_idx} failed on rank(s) {failed}:\n{lines}"
-    error: WorkerError
-    died = [s for s in summaries if s[1] == "died"]
-    if died:
-        error = WorkerDiedError(
-            message, exitcode=died[0][4], call_idx=call_idx, failed_ranks=failed
-        )
-    else:
-        error = AsyncCallFailedError(message, call_idx=call_idx, failed_ranks=failed)
-    if status.error is not None:
-        raise error from status.error
-    remote_tb = next((s[3] for s in summaries if s[3]), None)
-    raise error from (RemoteTraceback(remote_tb) if remote_tb else None)
+        except Exception as exc:  # garbage collection must not raise; say what was lost
+            logger.warning("could not stop the background process of a discarded caller: %s", exc)
 
 
 def agree_on_call(
@@ -164,8 +142,10 @@ def agree_on_call(
     """Decide, identically on every rank, whether ``call_idx`` is done everywhere.
 
     Returns True when it succeeded on all ranks, False when some rank is still writing and
-    ``blocking`` is False. Raises on every rank when any rank failed, when the ranks are on
-    different calls, or when a blocking wait passes ``timeouts.finalize``.
+    ``blocking`` is False. Raises on every rank when any rank failed (a
+    ``RankAsyncCallFailedError`` or, when a worker died, ``RankWorkerDiedError``: still
+    ``AsyncCallFailedError`` / ``WorkerDiedError``), when the ranks are on different calls,
+    or when a blocking wait passes ``timeouts.finalize``.
     """
     deadline = time.monotonic() + timeouts.finalize
     while True:
@@ -174,12 +154,15 @@ def agree_on_call(
         else:
             status = caller.local_status(call_idx)
         passed = blocking and time.monotonic() >= deadline
-        if no_dist:
-            records = [
-                _completion.RankRecord(_completion.my_rank(), status.state, call_idx, passed)
-            ]
-        else:
-            records = _completion.exchange(status.state, call_idx, passed, timeouts.collective)
+        records = _completion.exchange(
+            status.state,
+            call_idx,
+            passed,
+            timeouts.collective,
+            error=_failure_of(status, call_idx),
+            local_only=no_dist,
+            details={"call_idx": call_idx},
+        )
         idxs = {r.call_idx for r in records}
         if len(idxs) > 1:
             raise InvalidRequestError(
@@ -187,8 +170,6 @@ def agree_on_call(
                 f"{ {r.rank: r.call_idx for r in records} }; every rank must schedule and "
                 "finalize the same requests in the same order"
             )
-        if any(r.state == State.FAILED for r in records):
-            _raise_failure(call_idx, status, timeouts, no_dist)
         if all(r.state == State.DONE for r in records):
             return True
         if not blocking:
@@ -202,6 +183,19 @@ def agree_on_call(
             )
         if not no_dist:
             caller.wait_local(call_idx, timeouts.poll_interval)
+
+
+def _failure_of(status: LocalStatus, call_idx: int) -> BaseException | None:
+    """This rank's error for the agreement (a failed state always carries one)."""
+    if status.state != State.FAILED:
+        return None
+    if status.error is not None:
+        return status.error
+    return AsyncCallFailedError(
+        f"rank {_dist.rank()}: async request {call_idx} failed without an error",
+        call_idx=call_idx,
+        failed_ranks=(_dist.rank(),),
+    )
 
 
 def _fork_entry(conn: Connection, parent_pid: int, async_fn: Any, args: list, kwargs: dict) -> None:
@@ -228,7 +222,7 @@ class TemporalAsyncCaller(AsyncCaller):
         self.preloaded_holder: Any = None
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        self.rank = _completion.my_rank()
+        self.rank = _dist.rank()
         self._call_idx = async_req.call_idx
         self._unfinalized.append(async_req.call_idx)
         if async_req.async_fn is None:
@@ -305,7 +299,10 @@ class TemporalAsyncCaller(AsyncCaller):
 
     def close(self, abort: bool = False) -> list[int]:
         dropped: list[int] = []
-        if self.process is not None and self.process.exitcode is None:
+        if self.process is not None and self.process.exitcode is not None:
+            if self._call_idx is not None:
+                self._log_dropped_failure(self._call_idx, self.local_status(self._call_idx))
+        elif self.process is not None:
             if abort:
                 dropped = [self._call_idx] if self._call_idx is not None else []
                 self.process.kill()

@@ -1,30 +1,19 @@
-"""Cross-rank agreement on async requests, over a process group the library owns.
+"""Cross-rank completion of async requests: one record per rank, one decision everywhere.
 
-Decision: every agreement is an ``all_gather`` of a three-integer record per rank
-``(state, call_idx, deadline_passed)`` on a *gloo* group created by the library. So the
-check works the same in CPU-only and GPU jobs, never touches CUDA, and never interleaves
-with the user's NCCL collectives. Because every rank sees every rank's record, every rank
-takes the same decision (finalize, keep waiting, raise) and the collectives stay in step.
-
-The group is created lazily, by ``dist.new_group``, which is itself collective: it happens
-inside the first ``maybe_finalize_async_calls(no_dist=False)``, which every rank calls at
-once anyway. Its timeout is the configured collective deadline, so a rank that vanished
-makes the others fail instead of waiting forever.
+Decision: each poll is one :func:`resilient_ckpt._dist.agree` over the library's gloo group,
+carrying a three-integer record per rank ``(state, call_idx, deadline_passed)`` and this
+rank's error if its request failed. Because every rank sees every rank's record, every rank
+takes the same decision (finalize, keep waiting, raise) and the collectives stay in step; a
+failure on any rank is raised on every rank by the agreement itself.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from .._logging import get_logger
-
-logger = get_logger(__name__)
+from .. import _dist
 
 
 class State(enum.IntEnum):
@@ -41,69 +30,24 @@ class RankRecord:
     deadline_passed: bool
 
 
-_groups: dict[int, Any] = {}
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def library_group(collective_timeout: float) -> Any:
-    """The library's gloo group over all ranks (created on first use, then cached).
-
-    One group per default process group: the first caller's deadline becomes its timeout.
-    """
-    key = id(dist.group.WORLD)
-    group = _groups.get(key)
-    if group is None:
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_timeout))
-        _groups.clear()
-        _groups[key] = group
-        logger.debug("created library gloo group (timeout %.0fs)", collective_timeout)
-    return group
-
-
 def exchange(
-    state: State, call_idx: int, deadline_passed: bool, collective_timeout: float
+    state: State,
+    call_idx: int,
+    deadline_passed: bool,
+    collective_timeout: float,
+    *,
+    error: BaseException | None = None,
+    local_only: bool = False,
+    details: dict[str, Any] | None = None,
 ) -> list[RankRecord]:
-    """Every rank's record, in rank order (just this rank's when not distributed)."""
-    if not is_distributed():
-        return [
-            RankRecord(
-                0 if not dist.is_initialized() else dist.get_rank(),
-                state,
-                call_idx,
-                deadline_passed,
-            )
-        ]
-    group = library_group(collective_timeout)
-    mine = torch.tensor([int(state), int(call_idx), int(deadline_passed)], dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine, group=group)
-    return [RankRecord(r, State(int(t[0])), int(t[1]), bool(t[2])) for r, t in enumerate(gathered)]
-
-
-def gather_objects(obj: Any, collective_timeout: float) -> list[Any]:
-    """``all_gather_object`` over the library group (only used on the failure path)."""
-    if not is_distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=library_group(collective_timeout))
-    return out
-
-
-def max_int(value: int, collective_timeout: float) -> int:
-    if not is_distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=library_group(collective_timeout))
-    return int(t.item())
-
-
-def barrier(collective_timeout: float) -> None:
-    if is_distributed():
-        dist.barrier(group=library_group(collective_timeout))
-
-
-def my_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """Every rank's record, in rank order (just this rank's with ``local_only`` or when not
+    distributed). Raises the agreed error on every rank when ``error`` is set on any."""
+    outcomes = _dist.agree(
+        f"async request {call_idx}",
+        error,
+        ints=(int(state), int(call_idx), int(deadline_passed)),
+        local_only=local_only or not _dist.is_distributed(),
+        timeout=collective_timeout,
+        details=details,
+    )
+    return [RankRecord(o.rank, State(o.ints[0]), o.ints[1], bool(o.ints[2])) for o in outcomes]

@@ -1,7 +1,7 @@
 """The write side of the async DCP writer: files, writer threads, checksums, the results file.
 
 What runs where. The trainer splits a rank's plan into *write buckets*, one per data file
-(``plan_files`` + the writer's resolve step); the background process (persistent worker,
+(:mod:`._dcp_buckets`); the background process (persistent worker,
 forked child, or the trainer itself for ``execute_sync``) runs :func:`run_write_job`.
 
 Decisions:
@@ -31,7 +31,6 @@ import functools
 import heapq
 import inspect
 import io
-import math
 import os
 import pickle
 import threading
@@ -43,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.filesystem import _write_item
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._logging import get_logger
@@ -104,66 +103,7 @@ class RankWriteReport:
     seconds: float = 0.0
 
 
-# -- planning the files (trainer) -----------------------------------------------------------
-
-
-def item_nbytes(item: WriteItem) -> int:
-    """Bytes of a tensor item's chunk (0 for byte items, whose size is unknown up front)."""
-    if item.tensor_data is None:
-        return 0
-    numel = math.prod(item.tensor_data.chunk.sizes)
-    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
-
-
-def split_balanced(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Deal items into ``bins`` lists: byte items round-robin, tensors largest-first to the
-    lightest bin. With one bin the plan order is kept (byte-identical to torch's writer)."""
-    if bins <= 1:
-        return [list(items)]
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
-    for k, item in enumerate(byte_items):
-        buckets[k % bins].append(item)
-    tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
-    heap = [(0, b) for b in range(bins)]
-    for item in sorted(tensor_items, key=item_nbytes, reverse=True):
-        load, b = heapq.heappop(heap)
-        buckets[b].append(item)
-        heapq.heappush(heap, (load + item_nbytes(item), b))
-    return buckets
-
-
-def plan_files(
-    items: Sequence[WriteItem],
-    *,
-    prefix: str,
-    thread_count: int,
-    single_file_per_rank: bool,
-    separation_hint: str | None,
-) -> list[tuple[str, list[WriteItem]]]:
-    """``(file name, items)`` for each data file of one rank, numbered as torch numbers them.
-
-    With ``separation_hint`` the items whose key starts with it go to their own files, named
-    with the hint as a prefix, each group split into ``thread_count // 2`` files.
-    """
-    if separation_hint is None:
-        groups = [("", list(items))]
-        bins = thread_count
-    else:
-        hinted = [i for i in items if i.index.fqn.startswith(separation_hint)]
-        rest = [i for i in items if not i.index.fqn.startswith(separation_hint)]
-        groups = [("", rest), (separation_hint, hinted)]
-        bins = max(1, thread_count // 2)
-    files: list[tuple[str, list[WriteItem]]] = []
-    for group_prefix, group_items in groups:
-        if single_file_per_rank:
-            chunks = split_balanced(group_items, bins)
-        else:
-            chunks = [[item] for item in group_items]
-        for chunk in chunks:
-            if chunk:
-                files.append((f"{group_prefix}{prefix}{len(files)}{DEFAULT_SUFFIX}", chunk))
-    return files
+# -- sizes (both sides) ----------------------------------------------------------------------
 
 
 def bucket_nbytes(bucket: WriteBucket) -> int:

@@ -23,7 +23,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ..errors import CheckpointingException
 
@@ -141,7 +141,3 @@ class Channel:
             self.conn.close()
         except OSError:
             pass
-
-
-def describe(body: Any) -> str:
-    return f"{type(body).__name__}"

@@ -10,9 +10,6 @@ worker.
 
 from __future__ import annotations
 
-import logging
-import multiprocessing as mp
-import os
 import time
 from collections import OrderedDict
 from multiprocessing.connection import wait
@@ -25,22 +22,19 @@ from ..errors import (
     CheckpointTimeoutError,
     WorkerDiedError,
 )
-from . import _completion, _worker
+from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
-from ._messages import AttachArena, Channel, DetachArena, Hello, Result, Shutdown, Submit
+from ._copy import check_copy_threads, warm_threads
+from ._lifecycle import WorkerLifecycle
+from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
-from ._staging import ArenaPool, stage
+from ._staging import StagedRequest, stage, tensor_nbytes
 
 logger = get_logger(__name__)
 
-_MAIN_GUARD_HINT = (
-    "If the trainer is a script, protect its entry point with `if __name__ == '__main__':` "
-    "(the worker is started with the 'spawn' method, which re-imports the main module)."
-)
 
-
-class PersistentAsyncCaller(AsyncCaller):
+class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
     """A long-lived background worker process for one rank."""
 
     def __init__(
@@ -53,8 +47,11 @@ class PersistentAsyncCaller(AsyncCaller):
         *,
         timeouts: Timeouts | None = None,
         max_staging_buffers: int = 2,
+        copy_threads: int | None = None,
     ) -> None:
         super().__init__(timeouts)
+        self.copy_threads = check_copy_threads(copy_threads)
+        self._snapshot: tuple[int, StagedRequest] | None = None
         options = WorkerOptions(is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode)
         self.is_daemon = options.is_daemon
         self.cpu_priority = options.cpu_priority
@@ -73,108 +70,18 @@ class PersistentAsyncCaller(AsyncCaller):
         self._pool = ArenaPool(max_staging_buffers)
         self.timings: dict[int, dict[str, float]] = {}
 
-    # -- worker lifecycle -------------------------------------------------------------------
-
-    def start(self, rank: int | None = None, wait_ready: bool = True) -> None:
-        """Spawn the worker (if not running); optionally wait for its handshake."""
-        if self.process is None:
-            self.rank = rank if rank is not None else _completion.my_rank()
-            ctx = mp.get_context("spawn")
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
-            level = logging.getLogger("resilient_ckpt").getEffectiveLevel()
-            self.process = ctx.Process(
-                target=_worker.main,
-                args=(
-                    child_conn,
-                    os.getpid(),
-                    self.rank,
-                    level,
-                    self.cpu_priority,
-                    self.io_priority,
-                ),
-                daemon=self.is_daemon,
-                name=f"resilient_ckpt-worker-{self.rank}",
-            )
-            self.start_time = time.monotonic()
-            self.process.start()
-            child_conn.close()
-            self._channel = Channel(parent_conn)
-            self._ready = False
-            self._attached.clear()
-            self._start_deadline = time.monotonic() + self.timeouts.worker_start
-            logger.info("started checkpoint worker pid %s", self.process.pid)
-        if wait_ready:
-            self._handshake()
-
-    def _handshake(self) -> None:
-        if self._ready:
-            return
-        channel, proc = self._channel, self.process
-        if channel is None or proc is None:
-            raise WorkerDiedError("checkpoint worker is not running")
-        remaining = self._start_deadline - time.monotonic()
-        ready = wait([channel.conn, proc.sentinel], max(0.0, remaining))
-        if channel.conn in ready:
-            try:
-                hello = channel.recv()
-            except (EOFError, OSError):
-                hello = None
-            if isinstance(hello, Hello):
-                self._worker_pid = hello.pid
-                self._ready = True
-                logger.debug(
-                    "worker pid %s ready after %.2fs",
-                    hello.pid,
-                    time.monotonic() - (self.start_time or 0.0),
-                )
-                return
-        code = proc.exitcode
-        self._reap()
-        if code is None and not ready:
-            raise CheckpointTimeoutError(
-                f"rank {self.rank}: checkpoint worker did not start within "
-                f"{self.timeouts.worker_start:.0f}s (RESILIENT_CKPT_WORKER_START_TIMEOUT)"
-            )
-        raise WorkerDiedError(
-            f"rank {self.rank}: checkpoint worker exited during start-up with "
-            f"{exit_description(code)}. {_MAIN_GUARD_HINT}",
-            exitcode=code,
-        )
-
-    def _reap(self) -> None:
-        """Forget a dead (or killed) worker; fail its in-flight calls; free the arenas."""
-        proc = self.process
-        if proc is None:
-            return
-        proc.join(1.0)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join(self.timeouts.shutdown)
-        code = proc.exitcode
-        for call_idx in list(self._inflight):
-            if call_idx not in self._status:
-                self._status[call_idx] = LocalStatus(
-                    State.FAILED,
-                    WorkerDiedError(
-                        f"rank {self.rank}: checkpoint worker (pid {proc.pid}) died with "
-                        f"{exit_description(code)} while async request {call_idx} was in flight",
-                        exitcode=code,
-                        call_idx=call_idx,
-                        failed_ranks=(self.rank or 0,),
-                    ),
-                )
-        self._inflight.clear()
-        self._pool.release_all()
-        self._attached.clear()
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
-        self.process = None
-        self._ready = False
-
     # -- scheduling ---------------------------------------------------------------------------
 
-    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+    def schedule_async_call(
+        self, async_req: AsyncRequest, *, overlap_staging: bool = False
+    ) -> None:
+        """Stage ``async_req`` and hand it to the worker.
+
+        With ``overlap_staging`` the copy runs on the copy threads after this returns; the
+        request reaches the worker at :meth:`wait_for_snapshot` (called implicitly by every
+        other method of this caller, so it is never lost).
+        """
+        self.wait_for_snapshot()
         self._drain()
         self.start(wait_ready=False)
         call_idx = async_req.call_idx
@@ -189,29 +96,61 @@ class PersistentAsyncCaller(AsyncCaller):
             self._pool,
             self._wait_for_release,
             what=f"async request {call_idx}",
+            threads=self.copy_threads,
+            overlap=overlap_staging,
         )
         stage_s = time.perf_counter() - started
+        self._inflight[call_idx] = staged.arena.arena_id if staged.arena is not None else None
+        self._unfinalized.append(call_idx)
+        self.timings[call_idx] = {"stage": stage_s, "bytes": float(staged.nbytes)}
+        if staged.copy is not None:
+            self._snapshot = (call_idx, staged)
+            return
+        self._submit(call_idx, staged)
+        logger.debug("staged async request %d: %d bytes in %.4fs", call_idx, staged.nbytes, stage_s)
+
+    def wait_for_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the pending overlapped snapshot is fully copied, then submit it.
+
+        Call it before anything changes the saved tensors (before ``optimizer.step()``).
+        A no-op when no overlapped copy is pending.
+        """
+        pending, self._snapshot = self._snapshot, None
+        if pending is None:
+            return
+        call_idx, staged = pending
+        started = time.perf_counter()
+        try:
+            if staged.copy is not None:
+                staged.copy.wait(timeout if timeout is not None else self.timeouts.finalize)
+        except BaseException:
+            self._inflight.pop(call_idx, None)
+            if call_idx in self._unfinalized:
+                self._unfinalized.remove(call_idx)
+            if staged.arena is not None:
+                self._pool.release(staged.arena.arena_id)
+            raise
+        self.timings[call_idx]["snapshot_wait"] = time.perf_counter() - started
+        self._submit(call_idx, staged)
+
+    def _submit(self, call_idx: int, staged: StagedRequest) -> None:
+        """Attach the arena (first use) and send the ``Submit``; undo on failure."""
+        arena_id = staged.arena.arena_id if staged.arena is not None else None
         try:
             self._handshake()
             channel = self._channel
             if channel is None:
                 raise WorkerDiedError(f"rank {self.rank}: checkpoint worker is gone")
-            arena_id = staged.arena.arena_id if staged.arena is not None else None
-            if staged.arena is not None and arena_id not in self._attached:
-                channel.send(
-                    AttachArena(staged.arena.arena_id, staged.arena.nbytes),
-                    fd=staged.arena.fd,
-                    peer_pid=self._worker_pid,
-                )
-                self._attached.add(staged.arena.arena_id)
-            channel.send(Submit(call_idx, arena_id, staged.slots, staged.payload))
-        except CheckpointingException:
-            # Ours already say what happened (note: CheckpointTimeoutError is an OSError).
             if staged.arena is not None:
-                self._pool.release(staged.arena.arena_id)
-            raise
+                self._attach(channel, staged.arena)
+            channel.send(Submit(call_idx, arena_id, staged.slots, staged.payload))
         except OSError as exc:
+            if isinstance(exc, CheckpointingException):
+                # Ours already say what happened (CheckpointTimeoutError is an OSError).
+                self._unschedule(call_idx, arena_id)
+                raise
             code = self.process.exitcode if self.process is not None else None
+            self._unschedule(call_idx, arena_id)
             self._reap()
             raise WorkerDiedError(
                 f"rank {self.rank}: lost the checkpoint worker while submitting async request "
@@ -221,13 +160,43 @@ class PersistentAsyncCaller(AsyncCaller):
                 failed_ranks=(self.rank or 0,),
             ) from exc
         except BaseException:
-            if staged.arena is not None:
-                self._pool.release(staged.arena.arena_id)
+            self._unschedule(call_idx, arena_id)
             raise
-        self._inflight[call_idx] = arena_id
-        self._unfinalized.append(call_idx)
-        self.timings[call_idx] = {"stage": stage_s, "bytes": float(staged.nbytes)}
-        logger.debug("staged async request %d: %d bytes in %.4fs", call_idx, staged.nbytes, stage_s)
+
+    def _unschedule(self, call_idx: int, arena_id: int | None) -> None:
+        self._inflight.pop(call_idx, None)
+        if call_idx in self._unfinalized:
+            self._unfinalized.remove(call_idx)
+        if arena_id is not None:
+            self._pool.release(arena_id)
+
+    def warmup(self, state: Any = None, *, nbytes: int | None = None) -> None:
+        """Start the worker, the copy threads and an arena sized for ``state``'s tensors
+        (or ``nbytes``), pre-faulted and attached, so the first save costs a steady one."""
+        self.start(wait_ready=False)
+        warm_threads(self.copy_threads)
+        size = nbytes if nbytes is not None else (tensor_nbytes(state) if state is not None else 0)
+        self._handshake()
+        if size <= 0:
+            return
+        arena = self._pool.acquire(size, self._wait_for_release)
+        try:
+            if self._channel is not None:
+                self._attach(self._channel, arena)
+        finally:
+            self._pool.release(arena.arena_id)
+
+    def _attach(self, channel: Channel, arena: Arena) -> None:
+        """Hand ``arena`` to the worker (once); make it unmap the arenas the pool replaced,
+        so neither process keeps memory that no longer serves any save."""
+        for stale in self._attached - self._pool.live_ids():
+            channel.send(DetachArena(stale))
+            self._attached.discard(stale)
+        if arena.arena_id not in self._attached:
+            channel.send(
+                AttachArena(arena.arena_id, arena.nbytes), fd=arena.fd, peer_pid=self._worker_pid
+            )
+            self._attached.add(arena.arena_id)
 
     def _wait_for_release(self) -> bool:
         """Block until some in-flight call settles (frees its arena); False on deadline."""
@@ -256,6 +225,8 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def _drain(self) -> None:
         """Read every message that has arrived; notice a dead worker."""
+        if self._snapshot is not None:
+            self.wait_for_snapshot()
         channel = self._channel
         if channel is None or not self._ready:
             if self.process is not None and self.process.exitcode is not None:
@@ -301,6 +272,17 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def close(self, abort: bool = False) -> list[int]:
         """Stop the worker: drain (unless ``abort``), then SIGTERM, then SIGKILL."""
+        if self._snapshot is not None:
+            if abort:
+                _, staged = self._snapshot
+                self._snapshot = None
+                if staged.copy is not None:
+                    try:
+                        staged.copy.wait(self.timeouts.shutdown)
+                    except Exception as exc:
+                        logger.debug("overlapped copy failed during abort: %r", exc)
+            else:
+                self.wait_for_snapshot()
         dropped = [i for i in self._inflight if i not in self._status]
         proc = self.process
         if proc is not None:
@@ -315,8 +297,12 @@ class PersistentAsyncCaller(AsyncCaller):
                         if self.process is None:
                             break
                         wait([proc.sentinel], min(0.2, deadline - time.monotonic()))
-                except (OSError, EOFError, WorkerDiedError, CheckpointTimeoutError):
-                    pass
+                except (OSError, EOFError, WorkerDiedError, CheckpointTimeoutError) as exc:
+                    logger.warning(
+                        "checkpoint worker pid %s did not shut down cleanly (%s); stopping it",
+                        proc.pid,
+                        exc,
+                    )
                 dropped = [i for i in self._inflight if i not in self._status]
             if proc.exitcode is None:
                 proc.terminate()
@@ -326,6 +312,8 @@ class PersistentAsyncCaller(AsyncCaller):
                 proc.kill()
                 proc.join(self.timeouts.shutdown)
             self._reap()
+        for idx, status in self._status.items():
+            self._log_dropped_failure(idx, status)
         for idx in dropped:
             self._status.pop(idx, None)
         self._unfinalized.clear()
@@ -338,12 +326,3 @@ class PersistentAsyncCaller(AsyncCaller):
     def staging_arenas_created(self) -> int:
         """How many shared-memory arenas this caller has allocated (for memory checks)."""
         return self._pool.created
-
-    def detach_idle_arenas(self) -> None:
-        """Free idle staging memory (e.g. before a long pause); reallocated on next save."""
-        for arena in list(self._pool.free):
-            if self._channel is not None and arena.arena_id in self._attached:
-                self._channel.send(DetachArena(arena.arena_id))
-                self._attached.discard(arena.arena_id)
-            self._pool.free.remove(arena)
-            arena.close()

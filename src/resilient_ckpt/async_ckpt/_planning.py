@@ -9,8 +9,9 @@ Agreement: the saver's own small decisions (is the cached plan valid everywhere,
 rank fail to set up) are one ``all_gather`` of two integers per rank, on the library's gloo
 group (or the caller's group if it is gloo-capable), so they never touch CUDA and cost one
 round trip. If the caller's group has no CPU backend, object collectives on it are used.
-A rank that failed contributes a flag; every rank then raises ``CheckpointException``
-naming it, instead of some ranks waiting in a collective the failed rank never joins.
+A rank that failed contributes a flag; every rank then raises ``RankFailureError`` (a
+torch ``CheckpointException`` too) naming it, instead of some ranks waiting in a
+collective the failed rank never joins. The agreement itself is :func:`.._dist.agree`.
 """
 
 from __future__ import annotations
@@ -20,55 +21,39 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.api import _wrap_exception
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from ..config import default_timeouts
-from ..errors import CheckpointingException, ConfigurationError
-from . import _completion
+from .. import _dist
+from ..errors import ConfigurationError
 from ._structure import planner_settings, structure_signature
 
 
-def cpu_group(dist_wrapper: _DistWrapper) -> Any:
-    """A gloo-capable group over the planning ranks, or None (then object collectives)."""
+def agreement_group(dist_wrapper: _DistWrapper) -> Any:
+    """The planning ranks' group for :func:`resilient_ckpt._dist.agree`: None (the
+    library's gloo group) when planning spans the default group."""
     group = dist_wrapper.group
-    if group is None or group == dist.group.WORLD:
-        return _completion.library_group(default_timeouts().collective)
-    return group if "gloo" in str(dist.get_backend(group)).lower() else None
-
-
-def all_gather_ints(values: list[int], dist_wrapper: _DistWrapper) -> list[list[int]]:
-    """Every planning rank's ``values``, in group-rank order (one collective)."""
-    if not dist_wrapper.use_dist or dist_wrapper.get_world_size() == 1:
-        return [values]
-    group = cpu_group(dist_wrapper)
-    if group is None:
-        return dist_wrapper.all_gather_object(values)
-    mine = torch.tensor(values, dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(dist_wrapper.get_world_size())]
-    dist.all_gather(gathered, mine, group=group)
-    return [[int(v) for v in t.tolist()] for t in gathered]
+    return None if group is None or group == dist.group.WORLD else group
 
 
 def agree(ok: bool, error: BaseException | None, dist_wrapper: _DistWrapper, step: str) -> bool:
-    """True iff ``ok`` on every rank; raise ``CheckpointException`` everywhere on any error."""
-    flags = all_gather_ints([int(ok), int(error is not None)], dist_wrapper)
-    failed = [rank for rank, (_, bad) in enumerate(flags) if bad]
-    if failed:
-        failures = {}
-        for rank in failed:
-            exc = error if rank == dist_wrapper.rank and error is not None else None
-            failures[rank] = _wrap_exception(
-                exc or CheckpointingException(f"rank {rank} failed in {step}; see its error")
-            )
-        raise CheckpointException(step, failures) from error
-    return all(good for good, _ in flags)
+    """True iff ``ok`` on every planning rank; on any rank's ``error``, raise on every rank.
+
+    One tensor all-gather on a gloo group (an object all-gather if the caller's group has
+    no CPU backend); raises :class:`~resilient_ckpt.errors.RankFailureError` (a torch
+    ``CheckpointException`` too) naming the failed ranks.
+    """
+    outcomes = _dist.agree(
+        step,
+        error,
+        ints=(int(ok),),
+        group=agreement_group(dist_wrapper),
+        local_only=not dist_wrapper.use_dist or dist_wrapper.get_world_size() == 1,
+    )
+    return all(o.ints[0] for o in outcomes)
 
 
 def plan_matches_loaded(
@@ -174,7 +159,9 @@ class Planning:
             matches = cache.matches(signature, self.dist_wrapper.is_coordinator)
         except Exception as exc:
             error = exc
-        return agree(matches, error, self.dist_wrapper, "plan"), signature
+        return agree(
+            matches, error, self.dist_wrapper, "DCP save planning (plan cache check)"
+        ), signature
 
     def plan_centrally(self) -> SavePlan:
         return self.dist_wrapper.reduce_scatter("plan", self.local_step, self.global_step)
@@ -191,7 +178,9 @@ class Planning:
             matches = plan_matches_loaded(loaded, mine, dw.rank, dw.get_world_size())
         except Exception as exc:
             error = exc
-        reuse_loaded = agree(matches, error, dw, "plan") and bool(loaded)
+        reuse_loaded = agree(matches, error, dw, "DCP save planning (decentralized plan)") and bool(
+            loaded
+        )
         local_plan = cast(SavePlan, self.local_plan)  # set: agree() raised otherwise
         if reuse_loaded and dw.is_coordinator:
             self.global_metadata = loaded_metadata

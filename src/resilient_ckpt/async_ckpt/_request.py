@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from .. import _dist
 from ..errors import FrozenRequestError, InvalidRequestError
 
 
@@ -47,38 +48,28 @@ class AsyncRequest(NamedTuple):
 
     def execute_sync(self) -> None:
         """Run the request synchronously in this process: preload, write, barrier, finalize."""
-        from . import _completion
-
         validate_request(self)
         args = list(self.async_fn_args)
         if self.preload_fn is not None:
             args[1] = checked_preload(self.preload_fn)
         if self.async_fn is not None:
             self.async_fn(*args, **(self.async_fn_kwargs or {}))
-        _completion.barrier(_completion_timeout())
+        _dist.barrier()
         self.execute_finalize_fns(validate_matching_call_idx=False)
 
     def execute_finalize_fns(self, validate_matching_call_idx: bool = True) -> int:
         """Run the finalize functions; optionally check every rank finalizes this call_idx."""
-        from . import _completion
-
         for fn in self.finalize_fns:
             fn()
         if validate_matching_call_idx:
-            highest = _completion.max_int(self.call_idx, _completion_timeout())
+            highest = _dist.max_int(self.call_idx)
             if highest != self.call_idx:
                 raise InvalidRequestError(
-                    f"rank {_completion.my_rank()} finalized async call {self.call_idx} while "
+                    f"rank {_dist.rank()} finalized async call {self.call_idx} while "
                     f"another rank finalized call {highest}: every rank must schedule and "
                     "finalize the same requests in the same order"
                 )
         return self.call_idx
-
-
-def _completion_timeout() -> float:
-    from ..config import default_timeouts
-
-    return default_timeouts().collective
 
 
 def checked_preload(preload_fn: Callable[[], Any]) -> Any:

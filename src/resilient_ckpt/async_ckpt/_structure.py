@@ -50,7 +50,11 @@ def check_state_dict(state_dict: Any) -> None:
             )
 
 
-def _describe(fqn: str, obj: Any) -> str:
+def _describe(fqn: str, obj: Any) -> Any:
+    kind = type(obj)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        # The common case first, as a tuple: no string formatting per tensor.
+        return (fqn, obj.shape, obj.dtype, obj.requires_grad, obj.layout)
     if isinstance(obj, DTensor):
         mesh = obj.device_mesh
         return (
@@ -78,7 +82,5 @@ def structure_signature(flat_state: Mapping[str, Any], context: Sequence[Any]) -
     """Digest of the flattened state's structure plus ``context`` (who plans, see above)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(repr(tuple(context)).encode())
-    for fqn, obj in flat_state.items():
-        digest.update(b"\0")
-        digest.update(_describe(fqn, obj).encode())
+    digest.update(repr([_describe(fqn, obj) for fqn, obj in flat_state.items()]).encode())
     return digest.digest()

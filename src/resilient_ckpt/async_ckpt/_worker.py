@@ -41,7 +41,7 @@ _STOP = object()
 
 
 def _receive_loop(channel: Channel, arenas: dict[int, Any], work: queue.Queue) -> None:
-    from ._staging import Arena
+    from ._arena import Arena
 
     while True:
         try:

@@ -33,11 +33,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..storage.base import get_backend, is_msc_url
+from ..storage.base import is_msc_url
+from ..storage.commit import COMMIT_RECORD
+from ..storage.factory import get_backend
 
 __all__ = ["CachedMetadataFileSystemReader", "clear_metadata_cache"]
 
-_METADATA_NAME = ".metadata"
 _MAX_ENTRIES = 64
 
 _Key = tuple[Any, ...]
@@ -97,7 +98,7 @@ class CachedMetadataFileSystemReader(FileSystemReader):
         if self._cache_dir is None:
             return super().read_metadata(*args, **kwargs)
         rank = kwargs.get("rank")
-        name = _METADATA_NAME if rank is None else f"__{rank}{_METADATA_NAME}"
+        name = COMMIT_RECORD if rank is None else f"__{rank}{COMMIT_RECORD}"
         if self._object_store is not None:
             return self._read_object_metadata(self._cache_dir, rank, name)
         with open(os.path.join(self._cache_dir, name), "rb") as f:

@@ -23,12 +23,13 @@ import atexit
 import time
 import weakref
 from collections import deque
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from .._logging import get_logger
 from ..config import Timeouts, WorkerOptions, default_timeouts
 from ..errors import QueueClosedError
 from ._callers import AsyncCaller, TemporalAsyncCaller, agree_on_call
+from ._copy import check_copy_threads
 from ._persistent import PersistentAsyncCaller
 from ._request import AsyncRequest, validate_request
 
@@ -61,6 +62,8 @@ class AsyncCallsQueue:
             :func:`resilient_ckpt.config.default_timeouts`).
         max_staging_buffers: how many staging arenas may exist at once (bounds host memory
             to this many snapshots; a further save waits for an earlier one to finish).
+        copy_threads: threads copying a snapshot into shared memory (default
+            ``min(4, cores / local ranks)``, or ``RESILIENT_CKPT_COPY_THREADS``).
     """
 
     _instances: ClassVar[weakref.WeakSet[AsyncCallsQueue]] = weakref.WeakSet()
@@ -77,6 +80,7 @@ class AsyncCallsQueue:
         *,
         timeouts: Timeouts | None = None,
         max_staging_buffers: int = 2,
+        copy_threads: int | None = None,
     ) -> None:
         # Validated now, not when the worker is first started by a save.
         WorkerOptions(is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode)
@@ -88,6 +92,7 @@ class AsyncCallsQueue:
         self.cpu_shm_mode = cpu_shm_mode
         self.timeouts = timeouts or default_timeouts()
         self.max_staging_buffers = max_staging_buffers
+        self.copy_threads = check_copy_threads(copy_threads)
         self.async_calls: deque[_ActiveAsyncRequest] = deque()
         self.call_idx = -1
         self.persistent_caller: PersistentAsyncCaller | None = None
@@ -118,6 +123,7 @@ class AsyncCallsQueue:
                     cpu_shm_mode=self.cpu_shm_mode,
                     timeouts=self.timeouts,
                     max_staging_buffers=self.max_staging_buffers,
+                    copy_threads=self.copy_threads,
                 )
         return self.persistent_caller
 
@@ -143,19 +149,54 @@ class AsyncCallsQueue:
             caller.start(rank=rank, wait_ready=False)
             cls._warmup_persistent_caller = caller
 
-    def schedule_async_request(self, async_request: AsyncRequest) -> int:
-        """Snapshot and start ``async_request``; returns its call index. All ranks call this."""
+    def warmup(self, state_dict: Any = None, *, nbytes: int | None = None) -> None:
+        """Make the first save as cheap as a steady one (persistent queues; else a no-op).
+
+        Starts the worker and the copy threads, and allocates, pre-faults and hands to the
+        worker a staging arena sized for ``state_dict``'s tensors (or ``nbytes``). Pass the
+        object your saves will stage (e.g. the state dict), on every rank.
+        """
+        caller = self._get_async_caller()
+        if isinstance(caller, PersistentAsyncCaller):
+            caller.warmup(state_dict, nbytes=nbytes)
+
+    def schedule_async_request(
+        self, async_request: AsyncRequest, *, overlap_staging: bool = False
+    ) -> int:
+        """Snapshot and start ``async_request``; returns its call index. All ranks call this.
+
+        ``overlap_staging=True`` (persistent queues) returns before the tensors are copied:
+        the copy runs on background threads while training goes on, and
+        :meth:`wait_for_snapshot` must be called before anything modifies the saved tensors
+        (e.g. before ``optimizer.step()``). Any later call on this queue waits for it too.
+        """
         request = validate_request(async_request)
         caller = self._get_async_caller()
         self._closed = False
         call_idx = self.call_idx + 1
         frozen = request.freeze()
         started = time.perf_counter()
-        caller.schedule_async_call(frozen._replace(call_idx=call_idx, finalize_fns=[]))
+        to_schedule = frozen._replace(call_idx=call_idx, finalize_fns=[])
+        if isinstance(caller, PersistentAsyncCaller):
+            caller.schedule_async_call(to_schedule, overlap_staging=overlap_staging)
+        else:  # a forked child snapshots by copy-on-write when it starts
+            caller.schedule_async_call(to_schedule)
         self.call_idx = call_idx
         self.timings[call_idx] = {"stall": time.perf_counter() - started}
         self.async_calls.append(_ActiveAsyncRequest(call_idx, caller, frozen))
         return call_idx
+
+    def wait_for_snapshot(self, timeout: float | None = None) -> None:
+        """Wait until the last overlapped save's tensors are copied (a no-op otherwise).
+
+        After it returns the saved tensors may change: the checkpoint holds their values
+        at ``schedule_async_request`` time.
+        """
+        if self.persistent_caller is not None:
+            started = time.perf_counter()
+            self.persistent_caller.wait_for_snapshot(timeout)
+            if self.call_idx in self.timings:
+                self.timings[self.call_idx]["snapshot_wait"] = time.perf_counter() - started
 
     def maybe_finalize_async_calls(
         self, blocking: bool = False, no_dist: bool = False
@@ -249,8 +290,8 @@ class AsyncCallsQueue:
     def __del__(self) -> None:
         try:
             self._abandon()
-        except Exception:
-            pass
+        except Exception as exc:  # garbage collection must not raise; say what was lost
+            logger.warning("could not stop the worker of a discarded queue: %s", exc)
 
 
 def abort_nvrx_checkpoint() -> None:
@@ -268,8 +309,8 @@ def _stop_workers_at_exit() -> None:
     for queue in AsyncCallsQueue.get_instances():
         try:
             queue._abandon()
-        except Exception:
-            pass
+        except Exception as exc:  # the next queue's worker must still be stopped
+            logger.warning("could not stop a checkpoint worker at exit: %s", exc)
     warmed = AsyncCallsQueue._warmup_persistent_caller
     if warmed is not None:
         warmed.close(abort=True)

@@ -42,36 +42,35 @@ import uuid
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .. import _dist
 from .._logging import get_logger
 from ..config import RetryPolicy
 from ..errors import CheckpointExistsError, CheckpointWriteError, ConfigurationError, StorageError
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
+from ..storage.commit import RecordCommit
+from ._dcp_buckets import build_buckets
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
     WriteJob,
     discard_report,
     load_report,
-    plan_files,
     run_write_job,
     write_file,
 )
-from ._files import fsync_dir
 
 logger = get_logger(__name__)
 
 __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
 
-METADATA_NAME = ".metadata"
 # Extra attribute of the pickled Metadata (dcp.load ignores it): {"algorithm", "files"}.
 FILE_TABLE_ATTR = "resilient_ckpt_files"
 
@@ -93,20 +92,6 @@ def _checkpoint_dir(path: Any) -> str:
     if isinstance(path, (str, os.PathLike)):
         return os.fspath(path) if not isinstance(path, str) else path
     raise ConfigurationError(f"checkpoint path must be a str or os.PathLike, got {path!r}")
-
-
-def _snapshot_view(tensor: Any, fqn: str) -> torch.Tensor:
-    """Detach; clone a CPU view whose storage is larger than its bytes (else staging would
-    copy the whole base storage, and torch's writer would clone it anyway)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ConfigurationError(
-            f"the planner resolved tensor item {fqn!r} to a {type(tensor).__name__}"
-        )
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-            return tensor.clone()
-    return tensor
 
 
 class FileSystemWriterAsync(FileSystemWriter):
@@ -179,12 +164,15 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
         self._prepare_directory()
 
+    def _commit(self) -> RecordCommit:
+        return RecordCommit(self._backend, self.checkpoint_dir, sync=self.sync_files)
+
     def _prepare_directory(self) -> None:
         self._backend.makedirs(self.checkpoint_dir)
         if not self.is_coordinator:
             return
-        commit = self._backend.join(self.checkpoint_dir, METADATA_NAME)
-        if self._backend.exists(commit):
+        commit = self._commit()
+        if commit.is_committed():
             if not self.overwrite:
                 raise CheckpointExistsError(
                     f"a checkpoint is already committed in {self.checkpoint_dir!r} and the "
@@ -193,9 +181,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             logger.warning("overwriting the checkpoint in %s", self.checkpoint_dir)
             # Uncommit first, durably: while new data files replace old ones, nobody may load
             # them, not even after a crash.
-            self._backend.delete(commit)
-            if self.sync_files and isinstance(self._backend, PosixBackend):
-                fsync_dir(self.checkpoint_dir)
+            commit.uncommit()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.rank is not None and not self.use_collectives:
@@ -209,7 +195,7 @@ class FileSystemWriterAsync(FileSystemWriter):
     def _rank(self) -> int:
         if self.rank is not None:
             return int(self.rank)
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return _dist.rank()
 
     # -- preparing the background write (trainer) -------------------------------------------
 
@@ -221,17 +207,16 @@ class FileSystemWriterAsync(FileSystemWriter):
                 "the final save plan has no storage prefix; plan with "
                 "save_state_dict_async_plan (it runs prepare_global_plan)"
             )
-        files = plan_files(
-            plan.items,
+        self.write_buckets = build_buckets(
+            plan,
+            planner,
             prefix=storage.prefix,
+            join=self._backend.join,
+            checkpoint_dir=self.checkpoint_dir,
             thread_count=self.thread_count,
             single_file_per_rank=self.single_file_per_rank,
             separation_hint=self.separation_hint,
         )
-        self.write_buckets = [
-            (self._backend.join(self.checkpoint_dir, name), name, _resolve(items, planner))
-            for name, items in files
-        ]
         self._job = WriteJob(
             checkpoint_dir=self.checkpoint_dir,
             use_msc=self.use_msc,
@@ -349,9 +334,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             setattr(metadata, FILE_TABLE_ATTR, table)
         else:
             metadata.__dict__.pop(FILE_TABLE_ATTR, None)
-        path = self._backend.join(self.checkpoint_dir, METADATA_NAME)
-        with self._backend.open_write(path, sync=self.sync_files) as f:
-            pickle.dump(metadata, f)
+        self._commit().commit(lambda f: pickle.dump(metadata, f))
         logger.info("committed checkpoint %s", self.checkpoint_dir)
 
     # -- identity -----------------------------------------------------------------------------
@@ -374,18 +357,6 @@ class FileSystemWriterAsync(FileSystemWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
-
-
-def _resolve(items: list, planner: SavePlanner) -> tuple[list, list]:
-    bytes_data = [
-        (item, planner.resolve_data(item)) for item in items if item.type == WriteItemType.BYTE_IO
-    ]
-    tensor_data = [
-        (item, _snapshot_view(planner.resolve_data(item), item.index.fqn))
-        for item in items
-        if item.type != WriteItemType.BYTE_IO
-    ]
-    return bytes_data, tensor_data
 
 
 def _nearest_existing_dir(path: str) -> str:

@@ -17,8 +17,9 @@ plan. The same collective carries "my set-up failed", so a bad directory on one 
 every rank raise instead of leaving the others waiting in a collective.
 
 Finalize uses torch's ``_DistWrapper.all_reduce``: outcomes are gathered on the coordinator;
-if any rank failed, every rank raises ``torch.distributed.checkpoint.CheckpointException``
-naming the failed rank(s) and nothing is committed; otherwise the coordinator writes the
+if any rank failed, every rank raises :class:`~resilient_ckpt.errors.RankFailureError` (a
+``torch.distributed.checkpoint.CheckpointException`` too) naming the failed rank(s) and
+nothing is committed; otherwise the coordinator writes the
 commit record and its success or failure is broadcast, so every rank learns the outcome.
 """
 
@@ -27,17 +28,22 @@ from __future__ import annotations
 import copy
 import inspect
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from .. import _dist
 from .._logging import get_logger
+from .._rank_errors import RankFailureError, from_checkpoint_exception
 from ..errors import InvalidRequestError
 from ._planning import Planning, agree, check_writer, is_decentralized, plan_matches_loaded
 from ._structure import check_state_dict
@@ -139,11 +145,6 @@ class CheckpointMetadataCache:
         self.validated_cache_reuse = False
         self.misses += 1
 
-    def invalidate(self) -> None:
-        self.structure_signature = None
-        self.cached_central_plan = None
-        self.validated_cache_reuse = False
-
 
 _checkpoint_metadata_cache: CheckpointMetadataCache | None = None
 
@@ -202,9 +203,12 @@ def _check_inputs(state_dict: Any, storage_writer: Any, on_every_rank: bool) -> 
     if not on_every_rank:
         check()
         return
-    from ..local._agreement import agree  # lazily: resilient_ckpt.local imports this package
-
-    agree("DCP save planning", check)
+    error: Exception | None = None
+    try:
+        check()
+    except Exception as exc:
+        error = exc
+    _dist.agree("DCP save planning", error)
 
 
 def save_state_dict_async_plan(
@@ -239,9 +243,11 @@ def save_state_dict_async_plan(
     elif is_decentralized(planner, storage_writer):
         loaded = cache.loaded_all_plans if cache is not None else None
         loaded_md = cache.cached_global_metadata if cache is not None else None
-        central_plan, reused_loaded = planning.plan_decentralized(loaded, loaded_md)
+        with _as_rank_failure("DCP save planning"):
+            central_plan, reused_loaded = planning.plan_decentralized(loaded, loaded_md)
     else:
-        central_plan = planning.plan_centrally()
+        with _as_rank_failure("DCP save planning"):
+            central_plan = planning.plan_centrally()
     central_plan = planner.finish_plan(central_plan)
     global_metadata = _update_cache(cache, hit, signature, central_plan, planning, reused_loaded)
     plan_s = time.perf_counter() - started
@@ -283,6 +289,19 @@ def _update_cache(
     return copy.copy(metadata) if metadata is not None else None
 
 
+@contextmanager
+def _as_rank_failure(what: str) -> Iterator[None]:
+    """torch's own collectives (``_DistWrapper``: on the coordinator, over the caller's
+    group) raise torch's ``CheckpointException``, a ``BaseException``: raise ours instead,
+    which is still one, and also a ``CheckpointingException``."""
+    try:
+        yield
+    except RankFailureError:
+        raise
+    except CheckpointException as exc:
+        raise from_checkpoint_exception(what, exc) from exc
+
+
 # -- finalize -------------------------------------------------------------------------------
 
 
@@ -299,8 +318,10 @@ def save_state_dict_async_finalize(
 ) -> None:
     """Gather every rank's write outcome and commit (collective, all ranks).
 
-    Raises ``torch.distributed.checkpoint.CheckpointException`` on every rank when any
-    rank's write failed (naming those ranks; nothing is committed) or the commit failed.
+    Raises :class:`~resilient_ckpt.errors.RankFailureError` (a
+    ``torch.distributed.checkpoint.CheckpointException`` and a ``CheckpointingException``)
+    on every rank when any rank's write failed (naming those ranks; nothing is committed)
+    or the commit failed.
     """
     started = time.perf_counter()
 
@@ -311,7 +332,8 @@ def save_state_dict_async_finalize(
     def commit(outcomes: list[_RankOutcome]) -> None:
         _commit(storage_writer, global_metadata, outcomes)
 
-    dist_wrapper.all_reduce("write", collect, commit)
+    with _as_rank_failure("DCP save (write and commit)"):
+        dist_wrapper.all_reduce("write", collect, commit)
     logger.info("finalized checkpoint save in %.4fs", time.perf_counter() - started)
 
 

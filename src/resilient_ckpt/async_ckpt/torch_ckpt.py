@@ -21,9 +21,10 @@ import torch
 
 from ..config import Timeouts
 from ..errors import ConfigurationError
-from ..storage.base import get_backend, is_msc_url
+from ..storage.base import is_msc_url
+from ..storage.commit import write_atomically
+from ..storage.factory import get_backend
 from ..utils import iter_tensors, preload_tensors
-from ._files import write_atomically
 from .core import AsyncCallsQueue, AsyncRequest
 
 
@@ -77,17 +78,37 @@ class TorchAsyncCheckpoint:
         *,
         timeouts: Timeouts | None = None,
         sync_files: bool = True,
+        copy_threads: int | None = None,
     ) -> None:
         self.persistent_queue = persistent_queue
         self.sync_files = sync_files
-        self._queue = AsyncCallsQueue(persistent=persistent_queue, timeouts=timeouts)
+        self._queue = AsyncCallsQueue(
+            persistent=persistent_queue, timeouts=timeouts, copy_threads=copy_threads
+        )
 
     @property
     def queue(self) -> AsyncCallsQueue:
         return self._queue
 
-    def async_save(self, state_dict: Any, *args: Any, **kwargs: Any) -> int:
-        """Start saving ``state_dict`` like ``torch.save(state_dict, *args, **kwargs)``."""
+    def warmup(self, state_dict: Any) -> None:
+        """Start the worker and size a staging arena for ``state_dict`` ahead of the first
+        save, so that save costs what a steady one does (see ``AsyncCallsQueue.warmup``)."""
+        self._queue.warmup(state_dict)
+
+    def wait_for_snapshot(self, timeout: float | None = None) -> None:
+        """After ``async_save(..., overlap_staging=True)``: wait until the tensors are
+        copied; call it before the saved tensors change (before ``optimizer.step()``)."""
+        self._queue.wait_for_snapshot(timeout)
+
+    def async_save(
+        self, state_dict: Any, *args: Any, overlap_staging: bool = False, **kwargs: Any
+    ) -> int:
+        """Start saving ``state_dict`` like ``torch.save(state_dict, *args, **kwargs)``.
+
+        With ``overlap_staging=True`` it returns before the tensors are copied (training
+        may run its next forward/backward meanwhile); call :meth:`wait_for_snapshot` before
+        the tensors change.
+        """
         if args:
             f, rest = args[0], args[1:]
         elif "f" in kwargs:
@@ -107,7 +128,7 @@ class TorchAsyncCheckpoint:
         request = AsyncRequest(
             save_fn, (state_dict, path, *rest), [], kwargs, preload_fn=preload_fn
         )
-        return self._queue.schedule_async_request(request)
+        return self._queue.schedule_async_request(request, overlap_staging=overlap_staging)
 
     def finalize_async_save(
         self, blocking: bool = False, no_dist: bool = True, terminate: bool = False

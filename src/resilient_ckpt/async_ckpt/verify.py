@@ -19,7 +19,8 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, StorageError
 from ..storage import StorageBackend, get_backend
-from .filesystem_async import FILE_TABLE_ATTR, METADATA_NAME
+from ..storage.commit import RecordCommit
+from .filesystem_async import FILE_TABLE_ATTR
 
 __all__ = ["VerifiedCheckpoint", "verify_checkpoint"]
 
@@ -40,10 +41,11 @@ class VerifiedCheckpoint:
 
 
 def _load_metadata(backend: StorageBackend, path: str) -> Any:
-    commit = backend.join(path, METADATA_NAME)
-    if not backend.exists(commit):
+    record = RecordCommit(backend, path)
+    commit = record.record_path
+    if not record.is_committed():
         raise CorruptCheckpointError(
-            f"{path!r} is not a committed checkpoint: {METADATA_NAME} is missing", path=path
+            f"{path!r} is not a committed checkpoint: {record.record} is missing", path=path
         )
     try:
         with backend.open_read(commit) as f:

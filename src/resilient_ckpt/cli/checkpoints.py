@@ -23,10 +23,9 @@ import torch
 from ..errors import CheckpointingException, ConfigurationError
 from ..storage import StorageBackend, get_backend
 from ..storage.base import Listing, is_msc_url
+from ..storage.commit import RecordCommit, is_committed_listing
 
 Progress = Callable[[int], None]
-
-_METADATA = ".metadata"
 
 
 def human(nbytes: float | None) -> str:
@@ -77,7 +76,7 @@ def _is_dcp_dir(path: str) -> bool:
 
 
 def _is_dcp_listing(listing: Listing) -> bool:
-    return _METADATA in listing.files or any(n.endswith(".distcp") for n in listing.files)
+    return is_committed_listing(listing) or any(n.endswith(".distcp") for n in listing.files)
 
 
 def _iteration_of(path: str) -> int | None:
@@ -89,7 +88,7 @@ def _iteration_of(path: str) -> int | None:
 def _dcp_entry(
     path: str, listing: Listing, verify: bool, progress: Progress | None = None
 ) -> Entry:
-    complete = _METADATA in listing.files
+    complete = is_committed_listing(listing)
     nbytes = sum(listing.files.values())
     entry = Entry("dcp", path, _iteration_of(path), nbytes=nbytes, complete=complete)
     if complete:
@@ -118,7 +117,7 @@ def read_dcp_metadata(path: str) -> Any:
     import pickle
 
     backend = get_backend(path)
-    with backend.open_read(backend.join(path, _METADATA)) as f:
+    with backend.open_read(RecordCommit(backend, path).record_path) as f:
         return pickle.load(f)
 
 
@@ -320,7 +319,7 @@ def convert(src: str, dst: str, progress: Progress | None = None) -> str:
             "CachedMetadataFileSystemReader and save where you need"
         )
     if os.path.isdir(src) and _is_dcp_dir(src):
-        if not os.path.exists(os.path.join(src, _METADATA)):
+        if not RecordCommit(get_backend(src), src).is_committed():
             raise ConfigurationError(f"{src!r} is not committed (no .metadata); nothing to convert")
         conversion.dcp_to_torch(src, dst, progress)
         return "dcp -> torch.save"

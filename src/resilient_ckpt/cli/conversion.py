@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..async_ckpt._files import write_atomically
+from ..storage.commit import write_atomically
 
 Progress = Callable[[int], None]
 

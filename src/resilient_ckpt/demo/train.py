@@ -37,6 +37,7 @@ from ..async_ckpt.state_dict_saver import (
     save_state_dict_async_plan,
 )
 from ..local import BasicTensorAwareStateDict, CliqueReplicationStrategy, LocalCheckpointManager
+from ..storage.commit import COMMIT_RECORD
 
 HIDDEN = 512
 
@@ -115,7 +116,7 @@ def _latest_dcp(dcp_root: str) -> int:
     steps = [
         int(n.split("_")[1])
         for n in os.listdir(dcp_root)
-        if n.startswith("iter_") and os.path.exists(os.path.join(dcp_root, n, ".metadata"))
+        if n.startswith("iter_") and os.path.exists(os.path.join(dcp_root, n, COMMIT_RECORD))
     ]
     return max(steps, default=-1)
 

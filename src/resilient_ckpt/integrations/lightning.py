@@ -61,8 +61,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "package): pip install 'resilient-ckpt[lightning]'"
     ) from exc
 
+from .. import _dist
 from .._logging import get_logger
-from ..async_ckpt._completion import max_int
 from ..async_ckpt.core import AsyncCallsQueue
 from ..async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 from ..config import Timeouts, default_timeouts
@@ -271,7 +271,7 @@ class ResilientCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", -1)) if checkpoint is not None else -1
         if self.local is not None and self.local._fitting:
             # Every rank must take the same branch: agree on the newest global step seen.
-            step = max_int(step, (self.timeouts or default_timeouts()).collective)
+            step = _dist.max_int(step, (self.timeouts or default_timeouts()).collective)
             local = self.local.newest_checkpoint(at_least=step)
             if local is not None:
                 self.resumed_from = {"source": "local", "step": local[0], "path": target}

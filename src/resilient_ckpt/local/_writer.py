@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ..async_ckpt._files import atomic_file
 from ..errors import SameMachineReplicationException, StorageError
+from ..storage.commit import atomic_file
 from ._format import ShardBuffer, ShardLayout, stream_to
 from ._manifest import DATA, DIRTY, MANIFEST, Manifest, file_name
 

@@ -228,7 +228,8 @@ class MscBackend(StorageBackend):
         finally:
             spool.discard()
 
-    def delete(self, path: str, *, recursive: bool = False) -> None:
+    def delete(self, path: str, *, recursive: bool = False, sync: bool = False) -> None:
+        # ``sync`` needs nothing here: a completed delete request is durable.
         info = self._info(path)
         if info is None:
             return

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import BinaryIO
 
-from ..async_ckpt._files import atomic_file
 from ..errors import StorageError
 from .base import Listing, StorageBackend
+from .commit import atomic_file, fsync_dir
 
 
 class PosixBackend(StorageBackend):
@@ -64,14 +64,16 @@ class PosixBackend(StorageBackend):
     def size(self, path: str) -> int:
         return os.path.getsize(path)
 
-    def delete(self, path: str, *, recursive: bool = False) -> None:
+    def delete(self, path: str, *, recursive: bool = False, sync: bool = False) -> None:
         try:
             if recursive and os.path.isdir(path):
                 shutil.rmtree(path)
             else:
                 os.unlink(path)
         except FileNotFoundError:
-            pass
+            return
+        if sync:
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)

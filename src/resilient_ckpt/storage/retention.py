@@ -7,9 +7,8 @@ order is the last number in its name (the iteration), then the name.
 Retention keeps the newest ``keep_latest`` committed checkpoints and deletes older ones only
 once a newer one is committed. A checkpoint without its commit record that is newer than
 the newest committed one may be a save in progress, so it is never touched; an uncommitted
-one older than that is a failed save, and goes. Deleting removes the commit record first:
-on an object store, where removing a prefix is many requests, the checkpoint turns
-invisible at once, and an interrupted deletion leaves only unreferenced data objects.
+one older than that is a failed save, and goes. Deleting is
+:meth:`~.commit.RecordCommit.discard`: the commit record first, then the data.
 """
 
 from __future__ import annotations
@@ -19,13 +18,12 @@ from dataclasses import dataclass
 
 from .._logging import get_logger
 from ..errors import ConfigurationError
-from .base import get_backend
+from .commit import RecordCommit, is_committed_listing
+from .factory import get_backend
 
 logger = get_logger(__name__)
 
 __all__ = ["CheckpointRef", "list_checkpoints", "prune_checkpoints"]
-
-COMMIT_RECORD = ".metadata"
 
 
 @dataclass(frozen=True)
@@ -49,9 +47,10 @@ def list_checkpoints(root: str, *, use_msc: bool = False) -> list[CheckpointRef]
     refs = []
     for name in backend.scan(root).dirs:
         path = backend.join(root, name)
-        files = backend.scan(path).files
-        if COMMIT_RECORD in files or any(n.endswith(".distcp") for n in files):
-            refs.append(CheckpointRef(path, name, _iteration(name), COMMIT_RECORD in files))
+        listing = backend.scan(path)
+        committed = is_committed_listing(listing)
+        if committed or any(n.endswith(".distcp") for n in listing.files):
+            refs.append(CheckpointRef(path, name, _iteration(name), committed))
     return sorted(refs, key=lambda r: (r.iteration if r.iteration is not None else -1, r.name))
 
 
@@ -72,6 +71,5 @@ def prune_checkpoints(
     doomed = [r for i, r in enumerate(refs) if i < newest and i not in keep]
     for ref in [] if dry_run else doomed:
         logger.info("retention keeps the newest %d: deleting %s", keep_latest, ref.path)
-        backend.delete(backend.join(ref.path, COMMIT_RECORD))
-        backend.delete(ref.path, recursive=True)
+        RecordCommit(backend, ref.path).discard()
     return [ref.path for ref in doomed]

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import _dist
 from ..._logging import get_logger
 from ...async_ckpt.core import AsyncRequest
 from ...config import default_timeouts
@@ -115,11 +116,9 @@ class BaseCheckpointManager(ABC):
     @property
     def rank(self) -> int:
         if self._rank is None:
-            if dist.is_available() and dist.is_initialized():
-                self._rank = dist.get_rank()
-            else:
+            if not _dist.has_process_group():
                 logger.warning("torch.distributed is not initialised; using rank 0")
-                self._rank = 0
+            self._rank = _dist.rank()
         return self._rank
 
     @property

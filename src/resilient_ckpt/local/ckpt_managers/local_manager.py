@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..._logging import get_logger
-from ...async_ckpt._files import fsync_dir
 from ...errors import ConfigurationError, CorruptCheckpointError, StorageError
+from ...storage.commit import RenameCommit
 from ...storage.posix import PosixBackend
 from .. import _deleter
 from .._format import read_verified
@@ -241,14 +241,14 @@ class LocalCheckpointManager(BaseCheckpointManager):
 
     def _commit(self, iteration: int) -> None:
         self._backend.delete(self._status_path(iteration))
-        for owner in self._pending.pop(iteration, []):
-            dirty = self._path(file_name(iteration, owner, DIRTY))
-            try:
-                os.replace(dirty, self._path(file_name(iteration, owner, DATA)))
-            except OSError as exc:
-                raise StorageError(f"committing {dirty} failed: {exc}") from exc
-        if self.sync_files:
-            fsync_dir(str(self.local_ckpt_dir))
+        renames = [
+            (
+                self._path(file_name(iteration, owner, DIRTY)),
+                self._path(file_name(iteration, owner, DATA)),
+            )
+            for owner in self._pending.pop(iteration, [])
+        ]
+        RenameCommit(str(self.local_ckpt_dir), renames, sync=self.sync_files).commit()
 
     # -- retention --------------------------------------------------------------------------
 

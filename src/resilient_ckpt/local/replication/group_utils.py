@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import _dist
 from ...errors import CheckpointingException, ConfigurationError
 from ._chunked import IncomingBuffer, send_buffer
 
@@ -107,7 +108,7 @@ class CliqueGroup:
 
     @property
     def my_rank(self) -> int:
-        return dist.get_rank()
+        return _dist.rank()
 
     @property
     def backend(self) -> str:

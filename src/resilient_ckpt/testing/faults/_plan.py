@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ... import _dist
 from ...errors import ConfigurationError
 
 
@@ -119,14 +120,9 @@ class InjectedFault(OSError):
 
 def current_rank() -> int:
     """This process's rank: the default process group's, else ``$RANK`` (inherited by the
-    background worker), else 0."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except ImportError:
-        pass
+    background worker, which has no process group), else 0."""
+    if _dist.has_process_group():
+        return _dist.rank()
     try:
         return int(os.environ.get("RANK", "0"))
     except ValueError:

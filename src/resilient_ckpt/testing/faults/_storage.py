@@ -113,9 +113,9 @@ class FaultyBackend(StorageBackend):
     def size(self, path: str) -> int:
         return self.inner.size(path)
 
-    def delete(self, path: str, *, recursive: bool = False) -> None:
+    def delete(self, path: str, *, recursive: bool = False, sync: bool = False) -> None:
         self.injector.fire(Phase.DELETE, path)
-        self.inner.delete(path, recursive=recursive)
+        self.inner.delete(path, recursive=recursive, sync=sync)
 
     def join(self, *parts: str) -> str:
         return self.inner.join(*parts)

@@ -1,0 +1,268 @@
+"""Distributed plumbing shared by every layer: the library's group, this rank, agreement.
+
+Decisions:
+
+* **The library's own group.** Our collectives run on a *gloo* group the library creates,
+  so they work the same in CPU-only and GPU jobs, never touch CUDA and never interleave
+  with the user's NCCL collectives. ``dist.new_group`` is itself collective, so the group is
+  created lazily inside the first library call every rank makes anyway (a finalize, a
+  local save); its timeout is the collective deadline (:mod:`.config`), so a rank that
+  vanished makes the others fail instead of waiting forever. One group per default group.
+* **This rank** is the default group's rank, 0 without a process group: one function, so
+  a log line, a file name and an error message never disagree about who "I" am.
+* **One agreement primitive.** :func:`agree` turns a step that may have failed on some
+  ranks into one outcome on every rank. Each rank contributes a failure flag and a few
+  integers in one tensor all-gather (the common, successful case costs one round trip), or
+  an object payload in one object all-gather. Only if some rank failed does a second
+  object all-gather collect each failed rank's error *as text* (class names, message,
+  traceback): exception objects may not pickle and their classes may not exist on the
+  other side. Every rank then raises the same
+  :class:`~resilient_ckpt.errors.RankFailureError` (a subclass chosen from the failures'
+  classes, see :mod:`._rank_errors`) naming the failed ranks, instead of the healthy ranks
+  waiting in the next collective until the deadline and reporting a timeout.
+
+Alternatives not taken: torch's ``_DistWrapper.all_reduce`` (gathers on a coordinator,
+runs on the user's group, raises a ``BaseException``), and gathering the error objects
+themselves (they do not survive pickling reliably).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._logging import get_logger
+from .config import default_timeouts
+from .errors import CheckpointingException, RemoteTraceback
+
+logger = get_logger(__name__)
+
+_groups: dict[int, Any] = {}
+
+
+def has_process_group() -> bool:
+    """True once the default process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_distributed() -> bool:
+    """True when a default process group with more than one rank exists."""
+    return has_process_group() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank in the default group; 0 without a process group."""
+    return dist.get_rank() if has_process_group() else 0
+
+
+def world_size() -> int:
+    """Ranks in the default group; 1 without a process group."""
+    return dist.get_world_size() if has_process_group() else 1
+
+
+def library_group(timeout: float | None = None) -> Any:
+    """The library's gloo group over all ranks (created on first use, then cached).
+
+    Collective on first use. The first caller's ``timeout`` (default: the configured
+    collective deadline) becomes the group's timeout.
+    """
+    key = id(dist.group.WORLD)
+    group = _groups.get(key)
+    if group is None:
+        seconds = default_timeouts().collective if timeout is None else timeout
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+        _groups.clear()
+        _groups[key] = group
+        logger.debug("created library gloo group (timeout %.0fs)", seconds)
+    return group
+
+
+def is_cpu_group(group: Any) -> bool:
+    """Whether tensor collectives on ``group`` run on the CPU (a gloo backend)."""
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+def all_gather_object(obj: Any, group: Any = None, timeout: float | None = None) -> list[Any]:
+    """``obj`` from every rank of ``group`` (default: the library group), in group order."""
+    if group is None and not is_distributed():
+        return [obj]
+    group = library_group(timeout) if group is None else group
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def max_int(value: int, timeout: float | None = None) -> int:
+    """The largest ``value`` over all ranks (library group)."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=library_group(timeout))
+    return int(t.item())
+
+
+def barrier(timeout: float | None = None) -> None:
+    """Wait for every rank (library group); nothing without a process group."""
+    if is_distributed():
+        dist.barrier(group=library_group(timeout))
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's error as it travels between ranks: text only.
+
+    ``kinds`` are the class names of the exception's MRO, most derived first (they choose
+    the class every rank raises); ``traceback`` is where the error started, in the
+    background worker when it came from there; ``exitcode`` is set for a dead process.
+    """
+
+    rank: int
+    kinds: tuple[str, ...]
+    message: str
+    traceback: str
+    exitcode: int | None = None
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException) -> RankFailure:
+        cause = exc.__cause__
+        if isinstance(cause, RemoteTraceback):
+            tb = cause.tb
+        else:
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        kinds = tuple(c.__name__ for c in type(exc).__mro__)
+        exitcode = getattr(exc, "exitcode", None)
+        return cls(rank, kinds, f"{type(exc).__name__}: {exc}", tb, exitcode)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one rank contributed to an agreement that succeeded everywhere."""
+
+    rank: int
+    ints: tuple[int, ...] = ()
+    payload: Any = None
+
+
+def agree(
+    what: str,
+    error: BaseException | None,
+    *,
+    ints: Sequence[int] = (),
+    payload: Any = None,
+    with_payload: bool = False,
+    group: Any = None,
+    local_only: bool = False,
+    timeout: float | None = None,
+    details: dict[str, Any] | None = None,
+) -> list[Outcome]:
+    """Every rank's outcome of ``what``, in group-rank order; raise everywhere on any error.
+
+    Collective over ``group`` (default: the library group over all ranks); every rank
+    passes the same ``what``, the same number of ``ints`` and the same ``with_payload``.
+    ``error`` is this rank's exception (None: it succeeded). ``ints`` travel in one tensor
+    all-gather; with ``with_payload`` the ``payload`` objects travel instead, in one object
+    all-gather. ``local_only`` agrees with this rank alone (no collective).
+
+    Raises :class:`~resilient_ckpt.errors.RankFailureError` (or the subclass matching the
+    failures) on every rank if ``error`` was set on any: it names the failed ranks, carries
+    their messages and tracebacks, has ``details`` as attributes, and is chained to this
+    rank's ``error`` or else to the first failed rank's remote traceback.
+    """
+    me = _group_rank(group, local_only)
+    mine = RankFailure.of(me, error) if error is not None else None
+    values = tuple(int(v) for v in ints)
+    if local_only:
+        gathered = [(mine, values, payload)]
+    elif with_payload or not _tensor_capable(group):
+        gathered = all_gather_object((mine, values, payload), group, timeout)
+    else:
+        gathered = _gather_flags(mine is not None, values, group, timeout)
+        if any(failed for failed, _, _ in gathered):
+            failures = all_gather_object(mine, group, timeout)
+            gathered = [(f, v, None) for f, (_, v, _) in zip(failures, gathered, strict=True)]
+    failed = [entry[0] for entry in gathered if entry[0]]
+    if failed:
+        raise _agreed_error(what, failed, error, me, details or {}) from (
+            error if error is not None else _first_remote_traceback(failed)
+        )
+    if local_only:
+        return [Outcome(me, values, payload)]
+    return [Outcome(r, tuple(v), p) for r, (_, v, p) in enumerate(gathered)]
+
+
+def _group_rank(group: Any, local_only: bool) -> int:
+    if local_only or group is None:
+        return rank()
+    return dist.get_rank(group)
+
+
+def _tensor_capable(group: Any) -> bool:
+    return group is None or is_cpu_group(group)
+
+
+def _gather_flags(
+    failed: bool, values: tuple[int, ...], group: Any, timeout: float | None
+) -> list[tuple[Any, tuple[int, ...], Any]]:
+    """One tensor all-gather of ``[failed, *values]``; ``[(failed, values, None)]`` per rank."""
+    if group is None and not is_distributed():
+        return [(failed, values, None)]
+    group = library_group(timeout) if group is None else group
+    mine = torch.tensor([int(failed), *values], dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [(bool(t[0]), tuple(int(v) for v in t[1:].tolist()), None) for t in out]
+
+
+def _describe(failures: list[RankFailure]) -> str:
+    """The failure messages, each once, with the ranks that reported it."""
+    by_message: dict[str, list[int]] = {}
+    for failure in failures:
+        by_message.setdefault(failure.message, []).append(failure.rank)
+    if len(by_message) == 1:
+        return next(iter(by_message))
+    return "; ".join(f"rank(s) {ranks}: {message}" for message, ranks in by_message.items())
+
+
+def _agreed_error(
+    what: str,
+    failures: list[RankFailure],
+    mine: BaseException | None,
+    me: int,
+    details: dict[str, Any],
+) -> CheckpointingException:
+    # Imported here: it needs torch.distributed.checkpoint (about a second to import), which
+    # the success path and the background workers never load.
+    from ._rank_errors import error_class_for, local_failure, remote_failure
+
+    ranks = [f.rank for f in failures]
+    cls = error_class_for([f.kinds for f in failures])
+    torch_view = {
+        f.rank: local_failure(mine)
+        if mine is not None and f.rank == me
+        else remote_failure(f.message, f.traceback)
+        for f in failures
+    }
+    error = cls(
+        f"{what} failed on rank(s) {ranks}: {_describe(failures)}",
+        what=what,
+        failed_ranks=ranks,
+        tracebacks={f.rank: f.traceback for f in failures},
+        failures=torch_view,
+    )
+    exitcodes = [f.exitcode for f in failures if f.exitcode is not None]
+    if exitcodes:
+        error.exitcode = exitcodes[0]  # type: ignore[attr-defined]
+    for name, value in details.items():
+        setattr(error, name, value)
+    return error
+
+
+def _first_remote_traceback(failures: list[RankFailure]) -> RemoteTraceback | None:
+    tb = next((f.traceback for f in failures if f.traceback), None)
+    return RemoteTraceback(tb) if tb else None

@@ -1,0 +1,198 @@
+"""The error every rank raises when a step failed on some ranks (see :func:`._dist.agree`).
+
+Decision: one type, :class:`RankFailureError`, derived from both our root
+:class:`~resilient_ckpt.errors.CheckpointingException` and torch's
+``torch.distributed.checkpoint.CheckpointException``, so NVRx-style code
+(``except CheckpointException``, reading ``.failures``) and ours
+(``except CheckpointingException``, reading ``.failed_ranks``) both catch a failed save. Its
+subclasses keep the class a caller already catches: a bad argument on one rank is a
+:class:`RankConfigurationError`, still a ``ConfigurationError`` (and a ``ValueError``) on
+every rank; a dead background worker is a :class:`RankWorkerDiedError`, still a
+``WorkerDiedError``.
+
+MRO of the base: ``RankFailureError -> CheckpointingException -> Exception ->
+CheckpointException -> BaseException``. It is an ``Exception`` (``except Exception`` catches
+it, unlike torch's own ``CheckpointException``), and ``__str__`` is ours, not torch's.
+
+Why a module of its own: torch's ``CheckpointException`` lives in
+``torch.distributed.checkpoint``, whose import pulls in DTensor and takes about a second.
+:mod:`resilient_ckpt.errors` (imported by every background worker) stays light and hands
+these names out on first use; :func:`._dist.agree` imports them only when some rank failed.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.api import _wrap_exception
+
+from .errors import (
+    AsyncCallFailedError,
+    CheckpointingException,
+    ConfigurationError,
+    CorruptCheckpointError,
+    RemoteTraceback,
+    StorageError,
+    WorkerDiedError,
+)
+
+__all__ = [
+    "RankAsyncCallFailedError",
+    "RankConfigurationError",
+    "RankCorruptCheckpointError",
+    "RankFailureError",
+    "RankStorageError",
+    "RankWorkerDiedError",
+    "error_class_for",
+    "from_checkpoint_exception",
+]
+
+
+class RankFailureError(CheckpointingException, CheckpointException):
+    """A step failed on one or more ranks; raised identically on every rank.
+
+    Attributes:
+        what: the step that failed (``"DCP save planning"``, ``"async request 3"``).
+        failed_ranks: the ranks that failed, ascending (ranks of the agreeing group).
+        tracebacks: each failed rank's traceback text, where the error started (for a
+            background worker's error, the worker's traceback).
+        failures: torch's view, ``{rank: (exception, StackSummary)}``: this rank's own
+            exception where it failed, else a :class:`CheckpointingException` holding the
+            remote message, chained to its :class:`~resilient_ckpt.errors.RemoteTraceback`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        what: str = "",
+        failed_ranks: Sequence[int] = (),
+        tracebacks: Mapping[int, str] | None = None,
+        failures: Mapping[int, Any] | None = None,
+    ) -> None:
+        # Not CheckpointException.__init__: its (msg, failures) args would become our args
+        # and its __str__ our message.
+        Exception.__init__(self, message)
+        self.message = message
+        self.what = what
+        self.failed_ranks = tuple(sorted(failed_ranks))
+        self.tracebacks = dict(tracebacks or {})
+        self._failures = dict(failures) if failures is not None else _remote_failures(self)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple:
+        # Travels between processes (the test launcher, a caller's own gather); the local
+        # exception objects in ``failures`` may not pickle, so they are rebuilt from text.
+        state = {k: v for k, v in self.__dict__.items() if k != "_failures"}
+        return _rebuild, (type(self), self.message), state
+
+    def __setstate__(self, state: dict[str, Any] | None) -> None:
+        self.__dict__.update(state or {})
+        self._failures = _remote_failures(self)
+
+
+def _rebuild(cls: type[RankFailureError], message: str) -> RankFailureError:
+    return cls(message)
+
+
+def _remote_failures(error: RankFailureError) -> dict[int, Any]:
+    return {
+        rank: remote_failure(f"rank {rank} failed in {error.what}", error.tracebacks.get(rank, ""))
+        for rank in error.failed_ranks
+    }
+
+
+def remote_failure(message: str, tb: str = "") -> Any:
+    """torch's ``(exception, StackSummary)`` pair for a failure known only as text."""
+    exc = CheckpointingException(message)
+    if tb:
+        exc.__cause__ = RemoteTraceback(tb)
+    return (exc, traceback.StackSummary())
+
+
+def local_failure(exc: BaseException) -> Any:
+    """torch's ``(exception, StackSummary)`` pair for this rank's own exception."""
+    return _wrap_exception(exc)
+
+
+class RankConfigurationError(RankFailureError, ConfigurationError):
+    """A bad argument or setting on some ranks (a ``ConfigurationError`` on every rank)."""
+
+
+class RankStorageError(RankFailureError, StorageError):
+    """Storage failed on some ranks (a ``StorageError`` and ``OSError`` on every rank)."""
+
+
+class RankCorruptCheckpointError(RankFailureError, CorruptCheckpointError):
+    """A checkpoint failed verification on some ranks."""
+
+    path: str | None = None
+
+
+class RankAsyncCallFailedError(RankFailureError, AsyncCallFailedError):
+    """An async request raised in the background on some ranks."""
+
+    call_idx: int | None = None
+
+
+class RankWorkerDiedError(RankFailureError, WorkerDiedError):
+    """A background worker died on some ranks; ``exitcode`` is the first dead one's."""
+
+    call_idx: int | None = None
+    exitcode: int | None = None
+
+
+_BY_CAUSE: dict[str, type[RankFailureError]] = {
+    ConfigurationError.__name__: RankConfigurationError,
+    StorageError.__name__: RankStorageError,
+    OSError.__name__: RankStorageError,  # a raw I/O error is a storage failure
+    CorruptCheckpointError.__name__: RankCorruptCheckpointError,
+    AsyncCallFailedError.__name__: RankAsyncCallFailedError,
+    WorkerDiedError.__name__: RankWorkerDiedError,
+}
+
+
+def from_checkpoint_exception(what: str, exc: CheckpointException) -> RankFailureError:
+    """Ours, for torch's ``CheckpointException`` (raised by torch's own collectives): the
+    same ``failures``, plus the failed ranks, their messages and tracebacks."""
+    failures = dict(exc.failures)
+    ranks = sorted(failures)
+    messages = {r: f"{type(e).__name__}: {e}" for r, (e, _) in failures.items()}
+    tracebacks = {
+        r: "".join(traceback.format_list(trace) if trace is not None else [])
+        + "".join(traceback.format_exception_only(type(e), e))
+        for r, (e, trace) in failures.items()
+    }
+    distinct = list(dict.fromkeys(messages[r] for r in ranks))
+    described = (
+        distinct[0] if len(distinct) == 1 else "; ".join(f"rank {r}: {messages[r]}" for r in ranks)
+    )
+    cls = error_class_for([[c.__name__ for c in type(failures[r][0]).__mro__] for r in ranks])
+    return cls(
+        f"{what} failed on rank(s) {ranks}: {described}",
+        what=what,
+        failed_ranks=ranks,
+        tracebacks=tracebacks,
+        failures=failures,
+    )
+
+
+def error_class_for(kinds: Sequence[Sequence[str]]) -> type[RankFailureError]:
+    """The class every rank raises, from each failed rank's error kinds (rank order).
+
+    A rank's kinds are the class names of its exception's MRO, most derived first, so an
+    ``ObjectStoreError`` counts as a ``StorageError``. A dead worker outranks everything
+    (the process is gone, other failures are its consequences); otherwise the first failed
+    rank's most derived known kind decides; none known gives the base class.
+    """
+    if any(WorkerDiedError.__name__ in names for names in kinds):
+        return RankWorkerDiedError
+    for name in kinds[0] if kinds else ():
+        if name in _BY_CAUSE:
+            return _BY_CAUSE[name]
+    return RankFailureError

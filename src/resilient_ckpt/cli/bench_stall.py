@@ -1,0 +1,371 @@
+"""Benchmark of the trainer's stall (issue 13): ours against memcpy and ``dcp.async_save``.
+
+For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) on
+``--ranks`` gloo ranks, every rank measures, interleaved, ``--reps`` times after
+``--warmups`` warm-up rounds:
+
+* ``memcpy``: a single-thread copy (``memmove`` per tensor) of the same bytes into
+  pre-faulted shared memory: the reference every stall is divided by;
+* ``ours DCP``: ``save_state_dict_async_plan`` (plan cache on) + ``schedule_async_request``
+  on a persistent ``AsyncCallsQueue``: plan + snapshot, the trainer's blocking time;
+* ``ours torch``: ``TorchAsyncCheckpoint.async_save``; ``ours local``:
+  ``LocalCheckpointManager.save(is_async=True)`` + scheduling;
+* ``dcp.async_save``: process mode, torch's plan caching, its shared-memory stager (no
+  pinned memory, no non-blocking copies: CPU);
+* the overlapped modes (``overlap_staging=True``): the save call alone, and the later
+  ``wait_for_snapshot``;
+* the first save after the documented warm-up (fresh objects; ``warmup(state)``, and
+  :func:`resilient_ckpt.async_ckpt.warmup.warmup_async_save` for DCP) against the
+  steady-state median.
+
+DCP states are DTensor shards (every rank writes its own bytes); the other flows save the
+local shards. Figures are medians of the slowest rank per repetition. Optionally
+(``--memory-saves``) RSS and staging memfds over that many saves of a fixed structure.
+Not a test: the figures depend on the machine and its load; read the same-run ratios.
+
+    python -m resilient_ckpt.cli.bench_stall --ranks 2 --reps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SHAPES = {"2M/64": (2 << 20, 64), "64M/2000": (64 << 20, 2000), "256M/8": (256 << 20, 8)}
+# (our figure, its reference, target ratio) per row of the table.
+TARGETS = {"2M/64": "<= 3 ms + 2x", "64M/2000": "<= 1.5x", "256M/8": "<= 0.7x"}
+
+
+@dataclass(frozen=True)
+class Config:
+    root: str
+    shapes: tuple[str, ...]
+    reps: int
+    warmups: int
+    memory_saves: int
+
+
+def _state(rank: int, world: int, nbytes: int, tensors: int) -> tuple[dict, dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    numel = max(1, nbytes // tensors // 4)
+    g = torch.Generator().manual_seed(rank)
+    local = {f"layer{i}.weight": torch.rand(numel, generator=g) for i in range(tensors)}
+    sharded: dict[str, Any] = {
+        k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) for k, v in local.items()
+    }
+    sharded["step"] = 100
+    return sharded, {"model": local, "step": 100}
+
+
+class _Memcpy:
+    """Single-thread memmove of the same tensors into pre-faulted shared memory."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        fd = os.memfd_create("bench_memcpy")
+        os.ftruncate(fd, max(total, 1))
+        self.mm = mmap.mmap(fd, max(total, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        os.close(fd)
+        self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def __call__(self) -> float:
+        dst = self.base.data_ptr()
+        started = time.perf_counter()
+        for t in self.tensors:
+            n = t.numel() * t.element_size()
+            ctypes.memmove(dst, t.data_ptr(), n)
+            dst += n
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        del self.base
+        self.mm.close()
+
+
+class _Flows:
+    """One save per flow; each returns {figure: seconds} for this rank."""
+
+    def __init__(self, rank: int, world: int, cfg: Config, shape: str) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        from ..async_ckpt.core import AsyncCallsQueue
+        from ..async_ckpt.state_dict_saver import CheckpointMetadataCache
+        from ..async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+        from ..async_ckpt.warmup import warmup_async_save
+        from ..local import LocalCheckpointManager
+
+        nbytes, tensors = SHAPES[shape]
+        self.rank, self.cfg = rank, cfg
+        self.dir = os.path.join(cfg.root, shape.replace("/", "_"))
+        os.makedirs(self.dir, exist_ok=True)
+        self.sharded, self.local = _state(rank, world, nbytes, tensors)
+        self.memcpy = _Memcpy(list(self.local["model"].values()))
+        self.n = 0
+        # First saves after the documented warm-up, on fresh objects.
+        self.first: dict[str, float] = {}
+        self.torch_ckpt = TorchAsyncCheckpoint()
+        self.torch_ckpt.warmup(self.local)
+        self.first["ours torch"] = self.torch_async(overlap=False)["stall"]
+        self.queue = AsyncCallsQueue()
+        self.cache = CheckpointMetadataCache()
+        warmup_async_save(self.sharded, self.queue, metadata_cache=self.cache, thread_count=2)
+        self.first["ours DCP"] = self.ours_dcp(overlap=False)["stall"]
+        self.local_queue = AsyncCallsQueue()
+        self.local_queue.warmup(self.local)
+        self.manager = LocalCheckpointManager(os.path.join(self.dir, "local"), "bench")
+        self.first["ours local"] = self.ours_local()["stall"]
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False,
+                use_shared_memory=True,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
+
+    def _path(self, name: str) -> str:
+        self.n += 1
+        return os.path.join(self.dir, f"{name}{self.n}")
+
+    def _cleanup(self, path: str) -> None:
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def copy(self) -> dict[str, float]:
+        dist.barrier()
+        return {"stall": self.memcpy()}
+
+    def ours_dcp(self, overlap: bool = False) -> dict[str, float]:
+        from ..async_ckpt.core import AsyncRequest
+        from ..async_ckpt.filesystem_async import FileSystemWriterAsync
+        from ..async_ckpt.state_dict_saver import (
+            save_state_dict_async_finalize,
+            save_state_dict_async_plan,
+        )
+
+        path = self._path("dcp")
+        dist.barrier()
+        started = time.perf_counter()
+        writer = FileSystemWriterAsync(path, thread_count=2)
+        ret = save_state_dict_async_plan(
+            self.sharded, writer, enable_cache=True, metadata_cache=self.cache
+        )
+        save_fn, preload_fn, args = writer.get_save_function_and_args()
+        finalize = functools.partial(save_state_dict_async_finalize, *ret)
+        request = AsyncRequest(save_fn, args, [finalize], preload_fn=preload_fn)
+        self.queue.schedule_async_request(request, overlap_staging=overlap)
+        stall = time.perf_counter() - started
+        self.queue.wait_for_snapshot()
+        snapshot = time.perf_counter() - started
+        self.queue.maybe_finalize_async_calls(blocking=True)
+        self._cleanup(path)
+        return {"stall": stall, "snapshot": snapshot}
+
+    def ours_dcp_overlap(self) -> dict[str, float]:
+        return self.ours_dcp(overlap=True)
+
+    def torch_async(self, overlap: bool = False) -> dict[str, float]:
+        path = self._path(f"rank{self.rank}_pt")
+        dist.barrier()
+        started = time.perf_counter()
+        self.torch_ckpt.async_save(self.local, path, overlap_staging=overlap)
+        stall = time.perf_counter() - started
+        self.torch_ckpt.wait_for_snapshot()
+        snapshot = time.perf_counter() - started
+        self.torch_ckpt.finalize_async_save(blocking=True)
+        dist.barrier()
+        os.unlink(path)
+        return {"stall": stall, "snapshot": snapshot}
+
+    def torch_async_overlap(self) -> dict[str, float]:
+        return self.torch_async(overlap=True)
+
+    def ours_local(self) -> dict[str, float]:
+        from ..local import BasicTensorAwareStateDict
+
+        self.n += 1
+        dist.barrier()
+        started = time.perf_counter()
+        request = self.manager.save(BasicTensorAwareStateDict(self.local), self.n, True)
+        assert request is not None  # is_async=True always returns the request
+        self.local_queue.schedule_async_request(request)
+        stall = time.perf_counter() - started
+        self.local_queue.maybe_finalize_async_calls(blocking=True)
+        return {"stall": stall}
+
+    def dcp_async_save(self) -> dict[str, float]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        path = self._path("torch_dcp")
+        dist.barrier()
+        started = time.perf_counter()
+        future = dcp.async_save(
+            self.sharded,
+            storage_writer=dcp.FileSystemWriter(path, thread_count=2),
+            planner=DefaultSavePlanner(enable_plan_caching=True),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=self.stager,
+        )
+        stall = time.perf_counter() - started
+        future.result()  # type: ignore[union-attr]
+        self._cleanup(path)
+        return {"stall": stall}
+
+    def memory(self, saves: int) -> dict[str, float]:
+        import psutil
+
+        def memfds() -> int:
+            names = set()
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    continue
+                if "resilient_ckpt_arena" in target:
+                    names.add(target)
+            return len(names)
+
+        proc = psutil.Process()
+        self.torch_async()
+        rss0, fds0 = proc.memory_info().rss, memfds()
+        peak = rss0
+        for _ in range(saves):
+            self.torch_async()
+            peak = max(peak, proc.memory_info().rss)
+        return {"rss_growth": (peak - rss0) / rss0, "new_memfds": float(memfds() - fds0)}
+
+    def close(self) -> None:
+        self.torch_ckpt.close()
+        self.queue.close()
+        self.local_queue.close()
+        self.stager.close()
+        self.memcpy.close()
+
+
+FLOWS: dict[str, Callable[[_Flows], dict[str, float]]] = {
+    "memcpy": _Flows.copy,
+    "ours DCP": _Flows.ours_dcp,
+    "ours torch": _Flows.torch_async,
+    "ours local": _Flows.ours_local,
+    "dcp.async_save": _Flows.dcp_async_save,
+    "ours DCP overlapped": _Flows.ours_dcp_overlap,
+    "ours torch overlapped": _Flows.torch_async_overlap,
+}
+
+
+def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
+    warnings.filterwarnings("ignore")
+    out: dict[str, Any] = {}
+    for shape in cfg.shapes:
+        flows = _Flows(rank, world, cfg, shape)
+        samples: dict[str, list[float]] = {}
+        for rep in range(cfg.warmups + cfg.reps):
+            for name, flow in FLOWS.items():
+                for key, value in flow(flows).items():
+                    if rep >= cfg.warmups:
+                        samples.setdefault(f"{name}|{key}", []).append(value)
+        for name, value in flows.first.items():
+            samples[f"{name}|first"] = [value]
+        memory_shape = "64M/2000" if "64M/2000" in cfg.shapes else cfg.shapes[-1]
+        if cfg.memory_saves and shape == memory_shape:
+            for key, value in flows.memory(cfg.memory_saves).items():
+                samples[f"memory|{key}"] = [value]
+        flows.close()
+        # The slowest rank of each repetition.
+        for key, values in samples.items():
+            worst = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            samples[key] = worst.tolist()
+        out[shape] = {k: statistics.median(v) for k, v in samples.items()}
+    return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.2f}"
+
+
+def report(results: dict[str, dict[str, float]], ranks: int) -> None:
+    print(f"\nStall per save at {ranks} ranks (ms; median over reps of the slowest rank)")
+    head = f"{'state/rank':<10} {'flow':<22} {'stall':>8} {'memcpy':>8} {'x memcpy':>8}"
+    print(head + f" {'target':>13} {'dcp.async':>9} {'x dcp':>6}")
+    for shape, fig in results.items():
+        copy, peer = fig["memcpy|stall"], fig["dcp.async_save|stall"]
+        for flow in ("ours DCP", "ours torch", "ours local", "dcp.async_save"):
+            ours = fig[f"{flow}|stall"]
+            print(
+                f"{shape:<10} {flow:<22} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
+                f"{TARGETS[shape] if flow != 'dcp.async_save' else '':>13} {_ms(peer)} "
+                f"{ours / peer:6.2f}"
+            )
+        for flow in ("ours DCP overlapped", "ours torch overlapped"):
+            ours, snap = fig[f"{flow}|stall"], fig[f"{flow}|snapshot"]
+            print(
+                f"{shape:<10} {flow:<22} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
+                f"{'<= 0.1x':>13}   (call + wait_for_snapshot: {_ms(snap).strip()} ms)"
+            )
+    print("\nFirst save after warmup(state) / steady-state save (target <= 2)")
+    for shape, fig in results.items():
+        for flow in ("ours DCP", "ours torch", "ours local"):
+            first, steady = fig[f"{flow}|first"], fig[f"{flow}|stall"]
+            print(
+                f"{shape:<10} {flow:<22} first {_ms(first)} ms  steady {_ms(steady)} ms  "
+                f"ratio {first / steady:6.2f}"
+            )
+    for shape, fig in results.items():
+        if "memory|rss_growth" in fig:
+            print(
+                f"\nMemory over saves of {shape} (ours torch): peak RSS growth "
+                f"{fig['memory|rss_growth'] * 100:.2f} % (target < 1 %), new staging memfds "
+                f"after the first save: {int(fig['memory|new_memfds'])} (target 0)"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..testing.launcher import launch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--warmups", type=int, default=2)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
+    parser.add_argument("--memory-saves", type=int, default=50)
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: /dev/shm)")
+    args = parser.parse_args(argv)
+    shapes = tuple(s for s in args.shapes.split(",") if s)
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
+    base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    root = tempfile.mkdtemp(prefix="rc_bench_stall_", dir=base)
+    cfg = Config(root, shapes, args.reps, args.warmups, args.memory_saves)
+    try:
+        per_rank = launch(_rank_main, args.ranks, cfg, timeout=3600)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report(per_rank[0], args.ranks)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""The layers of ``src/resilient_ckpt`` (CONTRIBUTING.md): a module imports only its own
+layer or layers below it, and the library never imports its faces or the test kit.
+
+The check reads every module's imports from its syntax tree (``import x``, ``from . import
+y``, imports inside functions and under ``TYPE_CHECKING`` alike), so a lazy import that
+breaks a layer fails here as surely as one at the top of a file.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = "resilient_ckpt"
+
+# Bottom up. Faces and the test kit sit side by side at the top and do not import each other.
+BASE, STORAGE, ASYNC, LOCAL, TIERED, FACES, TESTING = (
+    "base",
+    "storage",
+    "async core",
+    "local",
+    "tiered",
+    "faces",
+    "testing",
+)
+RANK = {BASE: 0, STORAGE: 1, ASYNC: 2, LOCAL: 3, TIERED: 4, FACES: 5, TESTING: 5}
+LAYER_OF = {
+    "errors": BASE,
+    "_rank_errors": BASE,
+    "config": BASE,
+    "_logging": BASE,
+    "_dist": BASE,
+    "utils": BASE,
+    "storage": STORAGE,
+    "async_ckpt": ASYNC,
+    # The package root re-exports the async core's public names: importing it is
+    # importing the async core.
+    "": ASYNC,
+    "local": LOCAL,
+    "tiered": TIERED,
+    "cli": FACES,
+    "integrations": FACES,
+    "demo": FACES,
+    "testing": TESTING,
+}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else ""
+    if top.endswith("__main__"):
+        top = ""
+    if top not in LAYER_OF:
+        raise AssertionError(
+            f"{module} is in no layer: add {top!r} to LAYER_OF in {__file__} and to the "
+            "layer table of CONTRIBUTING.md"
+        )
+    return LAYER_OF[top]
+
+
+def allowed(importer: str, imported: str) -> bool:
+    src, dst = layer(importer), layer(imported)
+    if {src, dst} == {FACES, TESTING}:
+        return False
+    return RANK[dst] <= RANK[src]
+
+
+def modules(root: Path) -> dict[str, tuple[Path, bool]]:
+    """Every module under ``root/PACKAGE``: dotted name -> (file, is_package)."""
+    found = {}
+    for path in (root / PACKAGE).rglob("*.py"):
+        dotted = ".".join(path.relative_to(root).with_suffix("").parts)
+        is_package = path.name == "__init__.py"
+        found[dotted.removesuffix(".__init__") if is_package else dotted] = (path, is_package)
+    return found
+
+
+def imports(
+    name: str, path: Path, is_package: bool, known: dict[str, tuple[Path, bool]]
+) -> Iterator[tuple[int, str]]:
+    """``(line, module)`` for every import of a module of the package in ``path``."""
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names if a.name.startswith(PACKAGE))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != PACKAGE:
+                continue
+            for alias in node.names:
+                submodule = f"{module}.{alias.name}"
+                yield node.lineno, submodule if submodule in known else module
+
+
+def violations(root: Path) -> list[str]:
+    known = modules(root)
+    found = []
+    for name, (path, is_package) in sorted(known.items()):
+        for line, imported in imports(name, path, is_package, known):
+            if not allowed(name, imported):
+                found.append(
+                    f"{path.relative_to(root)}:{line}: {name} ({layer(name)}) imports "
+                    f"{imported} ({layer(imported)})"
+                )
+    return found
+
+
+def test_no_module_imports_a_layer_above_it() -> None:
+    assert violations(SRC) == []
+
+
+def _fake_package(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / PACKAGE / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    "rel, text, culprit",
+    [
+        ("storage/posix.py", "from ..async_ckpt import _files\n", "storage"),
+        ("async_ckpt/saver.py", "def f():\n    from ..local import agree\n", "async core"),
+        ("_dist.py", "from .storage import base\n", "base"),
+        ("errors.py", "import resilient_ckpt.cli\n", "base"),
+        ("local/manager.py", "from ..testing import launch\n", "local"),
+        ("integrations/x.py", "from ..testing import faults\n", "faces"),
+        ("storage/base.py", "from .. import utils, _dist, async_ckpt\n", "storage"),
+    ],
+)
+def test_the_check_catches_each_forbidden_direction(tmp_path, rel, text, culprit) -> None:
+    skeleton = {
+        f"{p}/__init__.py": ""
+        for p in ("storage", "async_ckpt", "local", "cli", "testing", "integrations")
+    }
+    skeleton.update({"utils.py": "", "_dist.py": ""})
+    root = _fake_package(tmp_path, {"__init__.py": "", **skeleton, rel: text})
+    found = violations(root)
+    assert len(found) == 1 and f"({culprit}) imports" in found[0], found
+
+
+def test_allowed_directions_pass(tmp_path) -> None:
+    root = _fake_package(
+        tmp_path,
+        {
+            "__init__.py": "from .async_ckpt import core\n",
+            "errors.py": "",
+            "_dist.py": "from . import errors\nfrom ._logging import get_logger\n",
+            "storage/__init__.py": "from .. import errors\n",
+            "async_ckpt/__init__.py": "from ..storage import base\nfrom .. import _dist\n",
+            "local/__init__.py": "from ..async_ckpt import core\n",
+            "cli/__init__.py": "from ..local import x\nfrom .. import demo\n",
+            "testing/__init__.py": "from ..local import y\nimport resilient_ckpt\n",
+        },
+    )
+    assert violations(root) == []
+
+
+def test_async_core_and_workers_load_neither_local_nor_dcp() -> None:
+    """What the static check cannot see: imports made at run time. The DCP saver must not
+    load the local-checkpoint layer; the package and its worker must not load torch's DCP
+    (about a second), which is why the agreement errors live in ``_rank_errors``."""
+    code = (
+        "import sys\n"
+        "import resilient_ckpt, resilient_ckpt.errors, resilient_ckpt.async_ckpt._worker\n"
+        "light = 'torch.distributed.checkpoint' not in sys.modules\n"
+        "import resilient_ckpt.async_ckpt.state_dict_saver\n"
+        "import resilient_ckpt.async_ckpt.filesystem_async\n"
+        "local = sorted(m for m in sys.modules if m.startswith('resilient_ckpt.local'))\n"
+        "print(light, local)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True []", done.stdout
