@@ -32,6 +32,10 @@ RESILIENT_CKPT_MSC_SPOOL_BYTES         upload buffer kept in memory, then a file
 RESILIENT_CKPT_MSC_SPOOL_DIR           where larger buffers spill (default: TMPDIR)  -
 =====================================  ==========================================  =======
 
+:func:`local_load_mmap` reads ``RESILIENT_CKPT_LOCAL_LOAD_MMAP`` (default 1): local checkpoint
+copies are loaded by mapping their files; 0 reads them into memory instead (see
+:mod:`resilient_ckpt.local._reader` for when that matters).
+
 :func:`local_world_size` reads the launcher's ``LOCAL_WORLD_SIZE`` (ranks per node, set by
 ``torchrun``), which sizes the default replication jump of local checkpoints.
 
@@ -270,3 +274,15 @@ def nvrx_alias_requested() -> bool:
 def request_nvrx_alias_in_children() -> None:
     """Set ``RESILIENT_CKPT_NVRX_ALIAS=1`` so interpreters started from here alias too."""
     os.environ[NVRX_ALIAS_ENV] = "1"
+
+
+def local_load_mmap() -> bool:
+    """Whether local checkpoint copies are loaded through a file mapping (the default)."""
+    raw = os.environ.get(_ENV_PREFIX + "LOCAL_LOAD_MMAP", "1").strip().lower()
+    if raw in ("1", "true", "yes", "on", ""):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(
+        f"environment variable {_ENV_PREFIX}LOCAL_LOAD_MMAP={raw!r} must be 1 or 0"
+    )

@@ -212,16 +212,17 @@ def test_convert_plain_dcp_and_into_verifiable_dcp(ckpts, capsys, tmp_path) -> N
 @pytest.mark.timeout(150)
 def test_bench_json_and_plot(capsys, tmp_path) -> None:
     png = str(tmp_path / "bench.png")
-    argv = ["--json", "bench", "--only", "async_save", "--plot", png]
-    code = main([*argv, "--", "--sizes", "1M", "--repeats", "1", "--skip-dcp"])
+    argv = ["--json", "bench", "--only", "local_ckpt", "--dir", str(tmp_path), "--plot", png]
+    code = main([*argv, "--", "--ranks", "2", "--size-mib", "1", "--repeats", "1"])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-2000:]
     (document,) = json.loads(captured.out)
     metrics = {f["metric"] for f in document["figures"]}
-    assert document["benchmark"] == "async_save" and metrics == {"stall", "throughput"}
+    assert document["benchmark"] == "local_ckpt" and metrics == {"stall", "throughput"}
     for figure in document["figures"]:
         assert figure["value"] > 0 and figure["reference_value"] > 0
-    assert "memcpy floor" in captured.err  # the table, on stderr with --json
+    assert "raw read" in captured.err  # the table, on stderr with --json
+    assert os.listdir(tmp_path) == ["bench.png"]  # measured under --dir, cleaned up
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 10_000

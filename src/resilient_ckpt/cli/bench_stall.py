@@ -46,6 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .bench.common import Figures
+
 SHAPES = {"2M/64": (2 << 20, 64), "64M/2000": (64 << 20, 2000), "256M/8": (256 << 20, 8)}
 # (our figure, its reference, target ratio) per row of the table.
 TARGETS = {"2M/64": "<= 3 ms + 2x", "64M/2000": "<= 1.5x", "256M/8": "<= 0.7x"}
@@ -357,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
     parser.add_argument("--memory-saves", type=int, default=50)
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: /dev/shm)")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     shapes = tuple(s for s in args.shapes.split(",") if s)
     unknown = [s for s in shapes if s not in SHAPES]
@@ -371,7 +374,27 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     print("\n== all shapes ==")
     report(per_rank[0], args.ranks)
+    record(per_rank[0], args.ranks).write(args.json, ranks=args.ranks, reps=args.reps)
     return 0
+
+
+def record(results: dict[str, dict[str, float]], ranks: int) -> Figures:
+    """The stalls of the printed table, each against the memcpy of the same run (for
+    ``resilient-ckpt bench --plot``)."""
+    figures = Figures("stall")
+    for shape, fig in results.items():
+        for flow in ("ours DCP", "ours torch", "ours local", "dcp.async_save"):
+            target = TARGETS[shape] if flow != "dcp.async_save" else ""
+            figures.add(
+                "stall",
+                f"{shape} x {ranks} ranks",
+                flow,
+                fig[f"{flow}|stall"],
+                "memcpy",
+                fig["memcpy|stall"],
+                target,
+            )
+    return figures
 
 
 if __name__ == "__main__":

@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--only", help="comma-separated names: " + ",".join(bench.DEFAULT_BENCHMARKS))
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    p.add_argument("--dir", help="directory on the storage to measure (default: a temp dir)")
     p.add_argument("--plot", metavar="PNG", help="draw stall and throughput against references")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=bench.run)

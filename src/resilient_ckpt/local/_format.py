@@ -11,13 +11,14 @@ Decisions:
 
 * The hollow state is pickled once and the tensor bytes follow raw, so saving is one copy
   per tensor (into the exchange buffer, or straight from the tensors to the file) and
-  loading is one read into one buffer, the tensors being *views* of it (64-byte alignment
-  makes every dtype view legal). ``torch.save`` would copy each tensor into a zip container
-  and allocate each tensor again on load.
-* Integrity is a CRC-32 of the whole byte string (``zlib.crc32``: fast, in the standard
-  library, and enough to catch torn writes and flipped bits; this is not an adversarial
-  setting). It is computed in a helper thread while the bytes are written or read, so it
-  costs little wall time: both the CRC and the file I/O release the GIL.
+  loading is one buffer (a mapping of the file, see :mod:`._reader`), the tensors being
+  *views* of it (64-byte alignment makes every dtype view legal). ``torch.save`` would
+  copy each tensor into a zip container and allocate each tensor again on load.
+* Integrity is a CRC-32 of the whole byte string (zlib's, computed by the fastest
+  implementation installed, see :mod:`._checksum`): enough to catch torn writes and
+  flipped bits; this is not an adversarial setting. It is computed in a helper thread while
+  the bytes are written, so it costs little wall time: both the CRC and the file I/O
+  release the GIL.
 * Loading unpickles the hollow object, like ``torch.load(weights_only=False)``: local
   checkpoints are written by the job itself and are trusted.
 """
@@ -27,9 +28,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-import zlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -37,6 +36,9 @@ import torch
 
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
+from ._checksum import CrcPipe, crc32
+from ._reader import check_against_manifest as check_against_manifest  # (re-exported:
+from ._reader import read_verified as read_verified  # verified reading lives in ._reader)
 from ._whole import WholeObject, snapshot_whole
 from .base_state_dict import TensorAwareStateDict
 
@@ -44,7 +46,6 @@ MAGIC = b"RCLOCAL\x00"
 FORMAT_VERSION = 1
 ALIGN = 64
 CHUNK = 16 << 20  # write granularity: the CRC of one chunk overlaps the write of the next
-READ_CHUNK = 64 << 20  # larger reads measured faster on a cold cache
 _PREFIX = struct.Struct("<8sIIQ")
 
 
@@ -162,27 +163,6 @@ def serialize(layout: ShardLayout) -> torch.Tensor:
     return out
 
 
-class CrcPipe:
-    """CRC-32 of a byte stream, computed in a helper thread, in submission order."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-crc")
-        self._last: Any = None
-
-    def _step(self, view: memoryview) -> None:
-        self.value = zlib.crc32(view, self.value)
-
-    def feed(self, view: memoryview) -> None:
-        self._last = self._pool.submit(self._step, view)
-
-    def result(self) -> int:
-        self._pool.shutdown(wait=True)
-        if self._last is not None:
-            self._last.result()
-        return self.value
-
-
 def bytes_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU uint8 tensor (no copy)."""
     array: Any = tensor.numpy()
@@ -241,43 +221,8 @@ def _write_known(f: IO[bytes], shard: ShardBuffer) -> tuple[int, int]:
     return shard.data.numel(), shard.crc32
 
 
-def read_verified(path: str, size: int, crc32: int) -> torch.Tensor:
-    """Read ``path`` into one uint8 tensor; raise ``CorruptCheckpointError`` on mismatch."""
-    out = torch.empty(size, dtype=torch.uint8)
-    view = _bytes_view(out)
-    crc = CrcPipe()
-    got = 0
-    try:
-        with open(path, "rb", buffering=0) as f:
-            for chunk in _chunks(view, READ_CHUNK):
-                n = f.readinto(chunk) or 0
-                if n:
-                    crc.feed(chunk[:n])
-                got += n
-                if n < len(chunk):
-                    break
-            extra = f.read(1)
-    finally:
-        value = crc.result()
-    check_against_manifest(path, got if not extra else got + 1, value, size, crc32)
-    return out
-
-
-def check_against_manifest(path: str, got: int, value: int, size: int, crc32: int) -> None:
-    """Raise ``CorruptCheckpointError`` unless ``got`` bytes with CRC ``value`` match."""
-    if got != size:
-        raise CorruptCheckpointError(
-            f"{path}: size differs from its manifest (expected {size} bytes)", path=path
-        )
-    if value != crc32:
-        raise CorruptCheckpointError(
-            f"{path}: checksum mismatch (crc32 {value:#010x}, manifest says {crc32:#010x})",
-            path=path,
-        )
-
-
 def crc_of(buffer: torch.Tensor) -> int:
-    return zlib.crc32(_bytes_view(buffer))
+    return crc32(_bytes_view(buffer))
 
 
 def deserialize(buffer: torch.Tensor) -> TensorAwareStateDict:
@@ -327,12 +272,18 @@ class ShardBuffer(TensorAwareStateDict):
     ``TensorAwareStateDict`` moves a whole shard as one flat buffer, in one message per peer.
     """
 
-    def __init__(self, data: torch.Tensor, crc32: int | None = None) -> None:
+    def __init__(
+        self, data: torch.Tensor, crc32: int | None = None, *, arrived_crc32: int | None = None
+    ) -> None:
         self._data: torch.Tensor | None = data
         self._nbytes = int(data.numel())
         # The CRC-32 of ``data`` as computed by the shard's owner, when known: replicas are
         # recorded with the owner's value, so a copy damaged in transit fails verification.
         self.crc32 = crc32
+        # The CRC-32 of ``data`` as it arrived from a peer (computed chunk by chunk during
+        # the transfer), when known: a measurement of these bytes, which the receiver
+        # compares with the value it expects instead of reading the buffer once more.
+        self.arrived_crc32 = arrived_crc32
 
     @property
     def data(self) -> torch.Tensor:

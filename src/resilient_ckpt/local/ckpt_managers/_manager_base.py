@@ -23,6 +23,7 @@ from ...errors import (
 )
 from .._background import BackgroundSaves
 from .._manifest import CopyInfo
+from ..replication import _chunked
 from ..replication.strategies import ReplicationStrategy
 
 logger = get_logger(__name__)
@@ -116,3 +117,4 @@ class ManagerBase(ABC):
 
     def _drop_cache(self) -> None:
         self._verified.clear()
+        _chunked.release_reserved()

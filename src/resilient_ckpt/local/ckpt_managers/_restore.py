@@ -34,6 +34,7 @@ from .._format import (
 )
 from .._manifest import CopyInfo
 from ..base_state_dict import TensorAwareStateDict
+from ..replication import _chunked
 from . import _catalogue
 from ._manager_base import CkptID, ManagerBase
 
@@ -124,6 +125,8 @@ class RestoreSteps(ManagerBase):
         """
         me, world = self.rank, self.world_size
         first = self._first_round(me, iteration, use_replicas)
+        if use_replicas and not any(c.owner == me for c in first):
+            self._expect_transfer(iteration)
         _, verified = agree_gather(
             "local checkpoint verification", lambda: (None, self._verify_all(first))
         )
@@ -158,6 +161,15 @@ class RestoreSteps(ManagerBase):
             holder: [self._ckpt_id(iteration, owner) for owner in owners]
             for holder, owners in enumerate(owners_by_holder)
         }
+
+    def _expect_transfer(self, iteration: int) -> None:
+        """This rank holds no copy of its shard: prepare the buffer a peer will fill (while
+        the peers verify what they will send; see ``replication._chunked``)."""
+        for copies in self._catalogue:
+            for copy in copies:
+                if copy.iteration == iteration and copy.owner == self.rank:
+                    _chunked.reserve(copy.size)
+                    return
 
     def _discard_newer(self, latest: int) -> None:
         mine = self._catalogue[self.rank] if self._catalogue else []
@@ -216,14 +228,19 @@ class RestoreSteps(ManagerBase):
         buffer = shard.data if isinstance(shard, ShardBuffer) else serialize(plan_shard(shard))
         sender = next(e.sender for e in plan.entries if e.receiver == self.rank and e.id_ == my_id)
         if sender != self.rank:
-            self._check_received(buffer, sender, my_id)
+            arrived = shard.arrived_crc32 if isinstance(shard, ShardBuffer) else None
+            self._check_received(buffer, sender, my_id, arrived)
         return buffer
 
-    def _check_received(self, buffer: torch.Tensor, sender: int, ckpt_id: CkptID) -> None:
+    def _check_received(
+        self, buffer: torch.Tensor, sender: int, ckpt_id: CkptID, arrived: int | None = None
+    ) -> None:
+        """Compare the received bytes with the sender's manifest; ``arrived`` is their CRC-32
+        measured during the transfer (None: compute it here)."""
         copy = _catalogue.find_copy(self._catalogue, sender, ckpt_id[0], ckpt_id[1])
         if copy is not None and copy.nvrx:
             _nvrx_format.verify(_format.bytes_view(buffer), f"copy of {ckpt_id} from rank {sender}")
-        elif copy is not None and crc_of(buffer) != copy.crc32:
+        elif copy is not None and (crc_of(buffer) if arrived is None else arrived) != copy.crc32:
             raise CorruptCheckpointError(
                 f"copy of {ckpt_id} received from rank {sender} does not match its checksum"
             )

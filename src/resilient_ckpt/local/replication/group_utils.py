@@ -16,6 +16,9 @@ builds its replication groups with ``GroupWrapper.from_list_of_groups`` and hand
 wrapper to ``CliqueReplicationStrategy``, which accepts it), ``ProcessGroupLike`` and
 ``batched``. ``GroupWrapper`` keeps NVRx's object-then-tensors exchanges for callers that
 use them directly; the strategies here do not.
+
+A retrieved buffer travels in chunks and is checksummed as they arrive (see
+:mod:`._chunked`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 
 from ... import _dist
 from ...errors import CheckpointingException, ConfigurationError
+from ._chunked import IncomingBuffer, send_buffer
 from ._group_wrapper import GroupWrapper
 
 __all__ = [
@@ -182,21 +186,23 @@ class CliqueGroup:
 
     def execute_plan(
         self, plan: ExchangePlan, mine: Mapping[Hashable, tuple[torch.Tensor, int]]
-    ) -> dict[Hashable, tuple[torch.Tensor, int]]:
+    ) -> dict[Hashable, tuple[torch.Tensor, int, int | None]]:
         """Carry out ``plan``; ``mine`` maps ids to (buffer, kind) this rank must send.
 
-        Returns (buffer, kind) for every id this rank receives (from itself or a peer).
+        Returns (buffer, kind, crc) for every id this rank receives: ``crc`` is the CRC-32
+        of a buffer received from a peer, computed as its chunks arrived (see
+        :mod:`._chunked`); None for this rank's own buffers and for buffers on a GPU.
         """
         me, device = self.my_rank, self.comm_device
         missing = plan.required_ids(me) - set(mine)
         if missing:
             raise CheckpointingException(f"rank {me} must send ids it was not given: {missing}")
-        result: dict[Hashable, tuple[torch.Tensor, int]] = {}
+        result: dict[Hashable, tuple[torch.Tensor, int, int | None]] = {}
         headers: dict[int, torch.Tensor] = {}
         ops = []
         for tag, entry in enumerate(plan.entries):
             if entry.sender == entry.receiver == me:
-                result[entry.id_] = mine[entry.id_]
+                result[entry.id_] = (*mine[entry.id_], None)
             elif entry.sender == me:
                 buf, kind = mine[entry.id_]
                 header = torch.tensor([buf.numel(), kind], dtype=torch.int64, device=device)
@@ -205,18 +211,20 @@ class CliqueGroup:
                 headers[tag] = torch.empty(2, dtype=torch.int64, device=device)
                 ops.append(dist.P2POp(dist.irecv, headers[tag], entry.sender, self.group, tag))
         self._p2p(ops)
-        ops, received = [], {}
+        sends, incoming = [], {}
         for tag, entry in enumerate(plan.entries):
             if entry.sender == me != entry.receiver:
                 buf = mine[entry.id_][0].to(device)
-                ops.append(dist.P2POp(dist.isend, buf, entry.receiver, self.group, tag))
+                sends.extend(send_buffer(buf, entry.receiver, self.group, tag))
             elif entry.receiver == me != entry.sender:
                 size, kind = (int(v) for v in headers[tag].tolist())
-                buf = torch.empty(size, dtype=torch.uint8, device=device)
-                received[entry.id_] = (buf, kind)
-                ops.append(dist.P2POp(dist.irecv, buf, entry.sender, self.group, tag))
-        self._p2p(ops)
-        result.update({k: (b.cpu(), kind) for k, (b, kind) in received.items()})
+                transfer = IncomingBuffer(size, entry.sender, self.group, tag, device)
+                incoming[entry.id_] = (transfer, kind)
+        for id_, (transfer, kind) in incoming.items():
+            crc = transfer.wait()
+            result[id_] = (transfer.buffer.cpu(), kind, crc)
+        for work in sends:
+            work.wait()
         return result
 
     def __repr__(self) -> str:

@@ -73,9 +73,11 @@ def _to_buffer(state: TensorAwareStateDict) -> tuple[torch.Tensor, int]:
     return serialize(plan_shard(state)), _STATE
 
 
-def _from_buffer(buf: torch.Tensor, kind: int, crc32: int | None = None) -> TensorAwareStateDict:
+def _from_buffer(
+    buf: torch.Tensor, kind: int, crc32: int | None = None, arrived_crc32: int | None = None
+) -> TensorAwareStateDict:
     if kind == _RAW:
-        return ShardBuffer(buf, crc32)
+        return ShardBuffer(buf, crc32, arrived_crc32=arrived_crc32)
     state = deserialize(buf.cpu())
     state.restore_tensor_device(non_blocking=False)
     return state
@@ -190,8 +192,8 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         mine = {id_: _to_buffer(state) for id_, state in my_data.items()}
         received = self.local_group.execute_plan(plan, mine)
         return {
-            id_: my_data[id_] if id_ in my_data else _from_buffer(buf, kind)
-            for id_, (buf, kind) in received.items()
+            id_: my_data[id_] if id_ in my_data else _from_buffer(buf, kind, arrived_crc32=crc)
+            for id_, (buf, kind, crc) in received.items()
         }
 
     @classmethod

@@ -1,0 +1,106 @@
+"""``resilient-ckpt bench``: the benchmarks, run from the installed package on the user's disk.
+
+Each benchmark is a module of the package with a ``main(argv)`` that prints its own tables
+(every figure next to its reference of the same run) and writes its figures with ``--json``:
+
+* ``stall`` (:mod:`resilient_ckpt.cli.bench_stall`): the trainer's stall per save for three
+  state shapes, against a single-thread memcpy of the same bytes and ``dcp.async_save``;
+* ``local_ckpt`` (:mod:`.local_load`): local checkpoint save against ``dd conv=fsync``, load
+  against a raw cold read of the same files, and load after losing a clique member;
+* ``dcp_load`` (:mod:`.dcp_load`): ``dcp.load`` with our reader against torch's.
+
+This module chooses the arguments (``--quick`` for a short run, ``--dir`` for the storage
+to measure), runs the benchmarks one after the other in this process (each spawns its ranks)
+and, with ``--plot``, hands the figures to :mod:`..bench_plot`. ``benchmarks/*.py`` of a
+checkout are thin wrappers around the same modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+DEFAULT_BENCHMARKS = ["stall", "local_ckpt", "dcp_load", "tiered_recovery"]
+
+_MODULES = {
+    "stall": "resilient_ckpt.cli.bench_stall",
+    "local_ckpt": "resilient_ckpt.cli.bench.local_load",
+    "dcp_load": "resilient_ckpt.cli.bench.dcp_load",
+    "tiered_recovery": "resilient_ckpt.cli.bench.tiered_recovery",
+}
+
+
+def bench_defaults(name: str, quick: bool) -> list[str]:
+    """Arguments of each benchmark for ``resilient-ckpt bench [--quick]``."""
+    if not quick:
+        return []  # the benchmark's own defaults
+    if name == "stall":
+        return ["--ranks", "2", "--reps", "3", "--warmups", "1", "--memory-saves", "10"]
+    if name == "local_ckpt":
+        return ["--ranks", "2", "--size-mib", "32", "--repeats", "3"]
+    if name == "dcp_load":
+        return ["--ranks", "2", "--size", "32M", "--repeats", "3"]
+    if name == "tiered_recovery":
+        return ["--ranks", "2", "--size-mib", "16", "--repeats", "2"]
+    return []
+
+
+def _run_one(name: str, argv: list[str], out: Any) -> int:
+    module = importlib.import_module(_MODULES[name])
+    with contextlib.redirect_stdout(out):
+        code = module.main(argv)
+    out.flush()
+    return int(code or 0)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``resilient-ckpt bench``: each benchmark in turn, tables printed, figures collected."""
+    names = args.only.split(",") if args.only else DEFAULT_BENCHMARKS
+    extra = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    if extra and len(names) != 1:
+        print("extra benchmark arguments need --only with one benchmark", file=sys.stderr)
+        return 2
+    unknown = [n for n in names if n not in _MODULES]
+    if unknown:
+        print(f"no benchmark {unknown}; choose from {', '.join(_MODULES)}", file=sys.stderr)
+        return 2
+    if args.dir is not None and not os.path.isdir(args.dir):
+        print(f"--dir {args.dir}: not a directory", file=sys.stderr)
+        return 2
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            print("--plot needs matplotlib: pip install 'resilient-ckpt[plot]'", file=sys.stderr)
+            return 2
+    results = []
+    # With --json stdout carries only the JSON document; the tables go to stderr.
+    out = sys.stderr if args.json else sys.stdout
+    with tempfile.TemporaryDirectory(prefix="rc_bench_json_") as tmp:
+        for name in names:
+            json_path = os.path.join(tmp, f"{name}.json")
+            argv = [*bench_defaults(name, args.quick), *extra]
+            if args.dir is not None:
+                argv += ["--dir", args.dir]
+            print(f"$ python -m {_MODULES[name]} {' '.join(argv)}", file=out, flush=True)
+            code = _run_one(name, [*argv, "--json", json_path], out)
+            if code != 0:
+                print(f"benchmark {name} failed with exit code {code}", file=sys.stderr)
+                return 1
+            if os.path.exists(json_path):
+                with open(json_path) as f:
+                    results.append(json.load(f))
+    if args.plot:
+        from .. import bench_plot
+
+        drawn = bench_plot.plot(results, args.plot)
+        print(f"plotted {drawn} figures to {args.plot}", file=out)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
