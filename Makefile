@@ -37,7 +37,7 @@ docs: $(STAMP)
 	$(BIN)/python docs/gen_api.py
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/async_save.py --sizes 64M,512M
+	$(BIN)/resilient-ckpt bench --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -420,6 +420,7 @@ class TieredCheckpointManager:
         self._check_open()
         if self._pending:
             self.maybe_finalize(blocking=True)
+        self._drain_worker()
         views: list[_restore.RankView] = _dist.all_gather_object(
             _restore.local_view(self.memory_dir, self.durable_dir, self.rank == 0)
         )
@@ -454,6 +455,16 @@ class TieredCheckpointManager:
             self._forget_newer(candidate.step)
             return candidate.step
         return None
+
+    def _drain_worker(self) -> None:
+        """Wait until every rank's worker has finished the calls it still runs before restore
+        removes or reuses their directories. A failed save is raised as soon as one rank's
+        part failed, while the other ranks' workers may still be writing that step (its other
+        tier, or its files on ranks that did not fail); removing the step under them would let
+        them recreate stale files in a directory the next save of that step reuses. The worker
+        runs calls in order, so a no-op call finalized on every rank marks the drain."""
+        self._queue.schedule_async_request(AsyncRequest(_drained, (), []))
+        self._queue.maybe_finalize_async_calls(blocking=True)
 
     def _reader(self, candidate: _restore.Candidate) -> Any:
         if candidate.tier == _restore.MEMORY:
@@ -513,3 +524,7 @@ class TieredCheckpointManager:
     def queue(self) -> AsyncCallsQueue:
         """The async queue whose persistent worker writes both tiers (for the fault kit)."""
         return self._queue
+
+
+def _drained() -> None:
+    """The no-op call of :meth:`TieredCheckpointManager._drain_worker`."""
