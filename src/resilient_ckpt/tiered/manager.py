@@ -462,7 +462,12 @@ class TieredCheckpointManager:
         part failed, while the other ranks' workers may still be writing that step (its other
         tier, or its files on ranks that did not fail); removing the step under them would let
         them recreate stale files in a directory the next save of that step reuses. The worker
-        runs calls in order, so a no-op call finalized on every rank marks the drain."""
+        runs calls in order, so a no-op call finalized on every rank marks the drain. Every
+        rank asks the others whether it started a worker, so that a fresh manager (nothing in
+        flight) does not start one just for this."""
+        started = self._queue.persistent_caller is not None
+        if not _dist.max_int(int(started)):
+            return
         self._queue.schedule_async_request(AsyncRequest(_drained, (), []))
         self._queue.maybe_finalize_async_calls(blocking=True)
 
