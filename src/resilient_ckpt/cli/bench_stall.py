@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import CheckpointingException
 from .bench.common import Figures
 
 SHAPES = {"2M/64": (2 << 20, 64), "64M/2000": (64 << 20, 2000), "256M/8": (256 << 20, 8)}
@@ -209,7 +210,8 @@ class _Flows:
         dist.barrier()
         started = time.perf_counter()
         request = self.manager.save(BasicTensorAwareStateDict(self.local), self.n, True)
-        assert request is not None  # is_async=True always returns the request
+        if request is None:  # is_async=True always returns the request
+            raise CheckpointingException("LocalCheckpointManager.save(is_async=True) gave None")
         self.local_queue.schedule_async_request(request)
         stall = time.perf_counter() - started
         self.local_queue.maybe_finalize_async_calls(blocking=True)

@@ -206,20 +206,8 @@ def _local_entries(
 
     if not local_checkpoints.is_session_dir(path, backend=backend, listing=listing):
         return None
-    return [
-        Entry(
-            "local",
-            path,
-            r["iteration"],
-            r["world_size"],
-            r["nbytes"],
-            r["complete"],
-            r["verified"],
-            r["problems"],
-            "crc32" if verify else "",
-        )
-        for r in local_checkpoints.summarize(path, verify, progress, backend=backend)
-    ]
+    rows = local_checkpoints.summarize(path, verify, progress, backend=backend)
+    return _rows_as_entries("local", path, verify, rows)
 
 
 def _memory_entries(
@@ -230,20 +218,7 @@ def _memory_entries(
     # The memory tier is node-local RAM: plain paths only.
     if not isinstance(backend, PosixBackend) or not memory_tier.is_memory_root(path):
         return None
-    return [
-        Entry(
-            "memory",
-            path,
-            r["iteration"],
-            r["world_size"],
-            r["nbytes"],
-            r["complete"],
-            r["verified"],
-            r["problems"],
-            "crc32" if verify else "",
-        )
-        for r in memory_tier.summarize(path, verify, progress)
-    ]
+    return _rows_as_entries("memory", path, verify, memory_tier.summarize(path, verify, progress))
 
 
 def total_bytes(path: str) -> int:
@@ -377,3 +352,22 @@ def convert(src: str, dst: str, progress: Progress | None = None) -> str:
         conversion.torch_to_dcp(src, dst, progress)
         return "torch.save -> dcp"
     raise ConfigurationError(f"{src!r} is neither a DCP checkpoint directory nor a file")
+
+
+def _rows_as_entries(kind: str, path: str, verify: bool, rows: list[dict[str, Any]]) -> list[Entry]:
+    """Listing entries from the per-iteration rows a local or memory-tier summary returns."""
+    checksum = "crc32" if verify else ""
+    return [
+        Entry(
+            kind,
+            path,
+            r["iteration"],
+            r["world_size"],
+            r["nbytes"],
+            r["complete"],
+            r["verified"],
+            r["problems"],
+            checksum,
+        )
+        for r in rows
+    ]
