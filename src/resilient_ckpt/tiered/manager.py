@@ -59,7 +59,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -75,7 +74,6 @@ from ..async_ckpt.state_dict_saver import (
 )
 from ..config import Timeouts, default_timeouts
 from ..errors import (
-    CheckpointingException,
     CheckpointTimeoutError,
     CheckpointWriteError,
     ConfigurationError,
@@ -84,10 +82,9 @@ from ..errors import (
 from ..local.replication.group_utils import CliqueGroup, parse_group_sequence
 from ..local.replication.strategies import default_replication_jump
 from ..storage import get_backend
-from ..storage.commit import COMMIT_RECORD
 from ..storage.retention import prune_checkpoints
-from . import _restore
-from ._layout import memory_step_dir, purge_newer, rank_dir, remove_step, step_name
+from ._layout import memory_step_dir, rank_dir, remove_step, step_name
+from ._loading import RestoreSteps, agreed
 from ._options import TieredOptions
 from ._phases import PhaseHook, TieredPhase
 from ._replicator import MemorySave, Replicator
@@ -106,18 +103,6 @@ class _Pending:
     durable: bool
 
 
-def _agreed(what: str, step: Callable[[], Any]) -> Any:
-    """Run ``step`` here; raise on every rank if it failed on any (``_dist.agree``)."""
-    error: Exception | None = None
-    value = None
-    try:
-        value = step()
-    except Exception as exc:
-        error = exc
-    _dist.agree(what, error)
-    return value
-
-
 def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Top-level ``Stateful`` values replaced by their state dicts (as ``dcp.save`` does)."""
     if not isinstance(state_dict, dict):
@@ -127,7 +112,7 @@ def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
-class TieredCheckpointManager:
+class TieredCheckpointManager(RestoreSteps):
     """Checkpoints in node-local RAM with peer replicas, every N-th also durable.
 
     Args:
@@ -193,7 +178,7 @@ class TieredCheckpointManager:
         cliques = parse_group_sequence(jump, replication_factor, self.world_size)
         self.clique_ranks = next(c for c in cliques if self.rank in c)
         self._world_group, clique = self._make_groups(cliques)
-        _agreed("tiered manager set-up", self._prepare_dirs)
+        agreed("tiered manager set-up", self._prepare_dirs)
         self._queue = AsyncCallsQueue(persistent=True, timeouts=self.timeouts)
         self._cache = CheckpointMetadataCache()
         self._replicator = Replicator(
@@ -406,97 +391,6 @@ class TieredCheckpointManager:
                 committed.append(pending.step)
         return committed
 
-    # -- load -------------------------------------------------------------------------------
-
-    def load(self, state_dict: dict[str, Any]) -> int | None:
-        """Restore the newest verified checkpoint of any tier into ``state_dict`` (in place,
-        resharding as ``dcp.load`` does); return its step, or None when there is none.
-
-        Collective. Memory is preferred when it is at least as new as durable. A checkpoint
-        that fails verification on every copy is skipped for the next newest; after a
-        restore, newer (unusable) checkpoints of this job are removed, so retention and
-        later restores never prefer an abandoned timeline.
-        """
-        self._check_open()
-        if self._pending:
-            self.maybe_finalize(blocking=True)
-        self._drain_worker()
-        views: list[_restore.RankView] = _dist.all_gather_object(
-            _restore.local_view(self.memory_dir, self.durable_dir, self.rank == 0)
-        )
-        for candidate in _restore.candidates(views):
-            started = time.perf_counter()
-            try:
-                reader = _agreed(
-                    f"preparing the restore of {candidate.tier} step {candidate.step}",
-                    functools.partial(self._reader, candidate),
-                )
-                dcp.load(state_dict, storage_reader=reader)
-            except (CheckpointException, CheckpointingException) as exc:
-                logger.warning(
-                    "cannot restore %s step %d (%s); trying the next newest",
-                    candidate.tier,
-                    candidate.step,
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                )
-                continue
-            logger.info(
-                "restored step %d from the %s tier in %.3fs",
-                candidate.step,
-                candidate.tier,
-                time.perf_counter() - started,
-            )
-            self.last_restore = {
-                "step": candidate.step,
-                "tier": candidate.tier,
-                "seconds": time.perf_counter() - started,
-                "files": dict(reader.fs.used),
-            }
-            self._forget_newer(candidate.step)
-            return candidate.step
-        return None
-
-    def _drain_worker(self) -> None:
-        """Wait until every rank's worker has finished the calls it still runs before restore
-        removes or reuses their directories. A failed save is raised as soon as one rank's
-        part failed, while the other ranks' workers may still be writing that step (its other
-        tier, or its files on ranks that did not fail); removing the step under them would let
-        them recreate stale files in a directory the next save of that step reuses. The worker
-        runs calls in order, so a no-op call finalized on every rank marks the drain. Every
-        rank asks the others whether it started a worker, so that a fresh manager (nothing in
-        flight) does not start one just for this."""
-        started = self._queue.persistent_caller is not None
-        if not _dist.max_int(int(started)):
-            return
-        self._queue.schedule_async_request(AsyncRequest(_drained, (), []))
-        self._queue.maybe_finalize_async_calls(blocking=True)
-
-    def _reader(self, candidate: _restore.Candidate) -> Any:
-        if candidate.tier == _restore.MEMORY:
-            return _restore.memory_reader(self.memory_dir, self.rank, candidate.step)
-        return _restore.durable_reader(self.durable_dir, candidate.step)
-
-    def _forget_newer(self, step: int) -> None:
-        """Resume from ``step``: drop newer checkpoints of the abandoned timeline."""
-        purge_newer(self.memory_dir, self.rank, step)
-        try:
-            owners = [int(n) for n in os.listdir(self.memory_dir) if n.isdigit()]
-        except FileNotFoundError:
-            owners = []
-        for owner in owners:  # directories of ranks beyond the new world size
-            if owner >= self.world_size and owner % self.world_size == self.rank:
-                purge_newer(self.memory_dir, owner, step)
-        if self.rank == 0:
-            backend = get_backend(self.durable_dir)
-            for name in backend.scan(self.durable_dir).dirs:
-                parsed = _restore.parse_step(name)
-                if parsed is not None and parsed > step:
-                    path = backend.join(self.durable_dir, name)
-                    backend.delete(backend.join(path, COMMIT_RECORD))
-                    backend.delete(path, recursive=True)
-        self._last_step = step
-        self._saves_since_durable = 0
-
     # -- shutdown ---------------------------------------------------------------------------
 
     def close(self, abort: bool = False) -> None:
@@ -529,7 +423,3 @@ class TieredCheckpointManager:
     def queue(self) -> AsyncCallsQueue:
         """The async queue whose persistent worker writes both tiers (for the fault kit)."""
         return self._queue
-
-
-def _drained() -> None:
-    """The no-op call of :meth:`TieredCheckpointManager._drain_worker`."""
