@@ -173,6 +173,7 @@ class _Run:
         if self.rank in self.node1:
             shutil.rmtree(mine, ignore_errors=True)  # whatever the restore re-created
             shutil.move(aside, mine)
+        dist.barrier()  # every node-1 directory is back before anyone moves the tier
         return seconds
 
     def from_durable_cold(self, step: int) -> tuple[float, float, int]:
