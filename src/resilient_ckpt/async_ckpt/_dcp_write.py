@@ -38,6 +38,7 @@ from .._logging import get_logger
 from ..config import RetryPolicy
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.commit import atomic_file
+from ._item_reader import ITEM_ALIGNMENT
 
 logger = get_logger(__name__)
 
@@ -65,6 +66,9 @@ class WriteJob:
     # through the backend) and writing with child processes instead of threads.
     open_file: Any = None
     multiproc_io: bool = False
+    # Start each tensor item on a 64-byte boundary so a mapped file's tensors load as views
+    # (``_item_reader``); off by default, so files stay byte-identical to torch's writer.
+    align_items: bool = False
 
     @property
     def results_name(self) -> str:
@@ -167,6 +171,13 @@ class ChecksumStream:
     def tell(self) -> int:
         return self.size
 
+    def align(self, boundary: int) -> None:
+        """Pad with zeros up to a multiple of ``boundary`` bytes. DCP records each item's
+        offset and length, so bytes between items are never read; a tensor item that starts
+        aligned can be loaded as a view of a mapped file (``_item_reader``)."""
+        if self.size % boundary:
+            self.write(bytes(boundary - self.size % boundary))
+
     def flush(self) -> None:
         self._raw.flush()
 
@@ -215,6 +226,8 @@ def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
         for item, data in bytes_data:
             results.append(write_item(job.transforms, stream, data, item, name))
         for item, tensor in tensor_data:
+            if job.align_items:
+                stream.align(ITEM_ALIGNMENT)
             results.append(write_item(job.transforms, stream, compact(tensor), item, name))
         stream.flush()
     return FileRecord(name, stream.size, stream.crc32, results)

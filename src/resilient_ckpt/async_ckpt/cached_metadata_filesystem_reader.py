@@ -36,6 +36,7 @@ from torch.futures import Future
 from ..storage.base import is_msc_url
 from ..storage.commit import COMMIT_RECORD
 from ..storage.factory import get_backend
+from ._item_reader import map_file, read_items
 
 __all__ = ["CachedMetadataFileSystemReader", "clear_metadata_cache"]
 
@@ -85,7 +86,14 @@ class CachedMetadataFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._object_store is None:
-            return super().read_data(plan, planner)
+            if any(self.storage_data[i.storage_index].transform_descriptors for i in plan.items):
+                return super().read_data(plan, planner)
+            # Files mapped, each tensor copied once from the page cache into its target
+            # (torch's reader copies each item into a fresh storage first).
+            root = os.fspath(self.path)
+            return read_items(
+                plan, planner, self.storage_data, lambda name: map_file(os.path.join(root, name))
+            )
         names = dict.fromkeys(self.storage_data[i.storage_index].relative_path for i in plan.items)
         paths = [self._backend_fs.concat_path(self.path, name) for name in names]
         self._backend_fs.read_ahead(paths, self.thread_count)

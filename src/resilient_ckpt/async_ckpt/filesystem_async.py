@@ -119,6 +119,8 @@ class FileSystemWriterAsync(FileSystemWriter):
     """
 
     can_run_decentralized_global_plan: bool = True
+    # Pad tensor items to 64-byte boundaries (the tiered manager sets it; see WriteJob).
+    align_items: bool = False
 
     # NVRx's class-level staging caches, kept because NVRx users and tests clear them
     # between runs. Our staging keeps no per-class state (its shared-memory arenas belong
@@ -256,6 +258,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             retry=self.retry_policy,
             open_file=None if self.open_file is open else self.open_file,
             multiproc_io=self.is_multiproc_io,
+            align_items=self.align_items,
         )
         self._expected_files = [name for _, name, _ in self.write_buckets]
         self.written_files = {}

@@ -5,17 +5,21 @@ resharding: a job restarted at another world size, or with other DTensor placeme
 exactly the byte ranges it needs. What differs from torch's ``FileSystemReader`` is only
 *where a file comes from*: the reader gets, per data file, an ordered list of candidate
 paths (this rank's own memory directory first, then its peers'; a durable checkpoint has
-one), reads the whole file, checks its size and CRC32 against the table in the commit
-record, and falls over to the next candidate on any mismatch or error. A file with no valid
-copy raises :class:`~resilient_ckpt.errors.CorruptCheckpointError`; ``dcp.load`` then fails
-on every rank and the manager tries an older checkpoint: wrong bytes are never loaded.
+one), checks each file's size and CRC32 against the table in the commit record, and falls
+over to the next candidate on any mismatch or error. A file with no valid copy raises
+:class:`~resilient_ckpt.errors.CorruptCheckpointError`; ``dcp.load`` then fails on every
+rank and the manager tries an older checkpoint: wrong bytes are never loaded.
+
+Local copies are mapped and checksummed through the mapping (``local._reader``), and the
+tensors are copied once from the mapping into the targets (``async_ckpt._item_reader``;
+the tiered writer pads items so their records are aligned views). A memory-tier restore is
+therefore one checksum pass and one copy per byte; object-store copies are downloaded whole.
 
 Single-host assumption, stated plainly: candidates are paths this process can open. On one
 machine every rank's memory directory is reachable; in a multi-node job only the
 directories of ranks on the same node are, and a file held only by another node's ranks is
 not fetched over the network (the restore then falls back to an older step or the durable
-tier). Whole-file reads cost one extra pass over a file shared by several new ranks after
-resharding; memory-tier files are in RAM, so that is a memcpy, and the checksum comes free.
+tier). A file shared by several new ranks after resharding is checksummed by each of them.
 """
 
 from __future__ import annotations
@@ -23,17 +27,22 @@ from __future__ import annotations
 import io
 import os
 import threading
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from .._logging import get_logger
+from ..async_ckpt._item_reader import byte_view, read_items
 from ..errors import CorruptCheckpointError, StorageError
-from ..storage import StorageBackend, get_backend
+from ..local import _checksum
+from ..local._reader import check_against_manifest, read_verified
+from ..storage import PosixBackend, StorageBackend, get_backend
 
 logger = get_logger(__name__)
 
@@ -66,30 +75,39 @@ class LocatingFileSystem(FileSystemBase):
             with self.backend.open_read(self.metadata_path) as f:
                 yield io.BytesIO(f.read())
             return
-        yield io.BytesIO(self._verified(name))
+        yield io.BytesIO(byte_view(self.verified(name)).tobytes())
 
-    def _verified(self, name: str) -> bytes:
+    def verified(self, name: str) -> torch.Tensor:
+        """The bytes of data file ``name`` from its first valid copy, as a uint8 tensor: a
+        private mapping of a local file (checksummed through it), or the bytes read from
+        an object store."""
         expected = self.table.get(name)
         if expected is None:
             raise CorruptCheckpointError(f"{name} is not in the commit record's file table")
         problems = []
         for path in self.candidates.get(name, []):
             try:
-                data = _read_all(self.backend, path)
-            except OSError as exc:
-                problems.append(f"{path}: {exc!r}")
+                data = self._read_checked(path, *expected)
+            except (OSError, CorruptCheckpointError) as exc:
+                problems.append(f"{path}: {exc}")
+                logger.warning("skipping a bad copy of %s at %s: %s", name, path, exc)
                 continue
-            size, crc = len(data), zlib.crc32(data)
-            if (size, crc) == expected:
-                with self._lock:
-                    self.used[name] = path
-                return data
-            problems.append(f"{path}: size {size} crc32 {crc:#010x}, expected {expected}")
-            logger.warning("skipping a bad copy of %s at %s", name, path)
+            with self._lock:
+                self.used[name] = path
+            return data
         raise CorruptCheckpointError(
             f"no valid copy of data file {name}: "
             + ("; ".join(problems) if problems else "no reachable copy"),
             path=name,
+        )
+
+    def _read_checked(self, path: str, size: int, crc: int) -> torch.Tensor:
+        if isinstance(self.backend, PosixBackend):
+            return read_verified(path, size, crc)
+        data = _read_all(self.backend, path)
+        check_against_manifest(path, len(data), _checksum.crc32(data), size, crc)
+        return (
+            torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         )
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
@@ -116,12 +134,12 @@ class LocatingFileSystem(FileSystemBase):
         raise StorageError("the tiered restore reader is read-only")
 
 
-def _read_all(backend: StorageBackend, path: str) -> bytes:
+def _read_all(backend: StorageBackend, path: str) -> bytearray:
     out = bytearray()
     with backend.open_read(path) as f:
         while chunk := f.read(_CHUNK):
             out += chunk
-    return bytes(out)
+    return out
 
 
 class VerifyingReader(FileSystemReader):
@@ -143,6 +161,15 @@ class VerifyingReader(FileSystemReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         # dcp.load resets with its checkpoint_id argument (None here): keep our path.
         super().reset(None)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Each file verified once, its tensors copied once into the targets, straight
+        from the mapped copy (``_item_reader``); items with stream transforms go through
+        torch's reader."""
+        if any(self.storage_data[i.storage_index].transform_descriptors for i in plan.items):
+            return super().read_data(plan, planner)
+        fs = cast(LocatingFileSystem, self.fs)
+        return read_items(plan, planner, self.storage_data, fs.verified)
 
 
 def read_metadata(path: str) -> Any:

@@ -249,6 +249,7 @@ class TieredCheckpointManager(RestoreSteps):
             sync_files=False,
             thread_count=self.options.thread_count,
         )
+        writer.align_items = True  # restores copy each tensor once, from the mapped file
         durable_writer = self._durable_writer(step) if goes_durable else None
         _, metadata, dist_wrapper = save_state_dict_async_plan(
             _plain_state(state_dict), writer, enable_cache=True, metadata_cache=self._cache
