@@ -14,13 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from .. import _dist
 from .._logging import get_logger
 from ..async_ckpt.core import AsyncRequest
-from ..errors import CheckpointingException
+from ..errors import CheckpointingException, CorruptCheckpointError
 from ..storage import get_backend
 from ..storage.commit import COMMIT_RECORD
 from . import _restore
@@ -81,9 +82,10 @@ class RestoreSteps:
         for candidate in _restore.candidates(views):
             started = time.perf_counter()
             try:
+                record = self._shared_record(candidate, views)
                 reader = agreed(
                     f"preparing the restore of {candidate.tier} step {candidate.step}",
-                    functools.partial(self._reader, candidate),
+                    functools.partial(self._reader, candidate, record),
                 )
                 dcp.load(state_dict, storage_reader=reader)
             except (CheckpointException, CheckpointingException) as exc:
@@ -125,9 +127,32 @@ class RestoreSteps:
         self._queue.schedule_async_request(AsyncRequest(_drained, (), []))
         self._queue.maybe_finalize_async_calls(blocking=True)
 
-    def _reader(self, candidate: _restore.Candidate) -> Any:
+    def _shared_record(
+        self, candidate: _restore.Candidate, views: list[_restore.RankView]
+    ) -> bytes | None:
+        """A memory step's commit record, from the lowest rank that read it to every rank
+        (ranks on a replaced node have none of their own). None for durable steps."""
+        if candidate.tier != _restore.MEMORY:
+            return None
+        if not _dist.is_distributed():
+            return _restore.read_commit_record(self.memory_dir, candidate.step)
+        holder = _restore.record_holder(views, candidate.step)
+        payload: list[Any] = [None]
+        if holder == self.rank:
+            payload[0] = _restore.read_commit_record(self.memory_dir, candidate.step)
+        if holder is not None:
+            dist.broadcast_object_list(payload, src=holder, group=_dist.library_group())
+        return payload[0]
+
+    def _reader(self, candidate: _restore.Candidate, record: bytes | None) -> Any:
         if candidate.tier == _restore.MEMORY:
-            return _restore.memory_reader(self.memory_dir, self.rank, candidate.step)
+            if record is None:
+                raise CorruptCheckpointError(
+                    f"rank {self.rank}: no rank could read the commit record of memory "
+                    f"step {candidate.step}"
+                )
+            group = _dist.library_group() if _dist.is_distributed() else None
+            return _restore.memory_reader(self.memory_dir, self.rank, candidate.step, record, group)
         return _restore.durable_reader(self.durable_dir, candidate.step)
 
     def _forget_newer(self, step: int) -> None:

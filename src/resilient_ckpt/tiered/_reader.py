@@ -15,11 +15,11 @@ tensors are copied once from the mapping into the targets (``async_ckpt._item_re
 the tiered writer pads items so their records are aligned views). A memory-tier restore is
 therefore one checksum pass and one copy per byte; object-store copies are downloaded whole.
 
-Single-host assumption, stated plainly: candidates are paths this process can open. On one
-machine every rank's memory directory is reachable; in a multi-node job only the
-directories of ranks on the same node are, and a file held only by another node's ranks is
-not fetched over the network (the restore then falls back to an older step or the durable
-tier). A file shared by several new ranks after resharding is checksummed by each of them.
+Across nodes: candidates are the paths this process can open, i.e. the rank directories
+on its own node (``memory_dir`` is node-local). A memory-tier reader also gets the process
+group: in ``read_data`` the files its plan needs and no local copy can serve are received
+from ranks that hold them (``_fetch``), checked against the same CRC-32. A file shared by
+several new ranks after resharding is checksummed by each of them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from ..errors import CorruptCheckpointError, StorageError
 from ..local import _checksum
 from ..local._reader import check_against_manifest, read_verified
 from ..storage import PosixBackend, StorageBackend, get_backend
+from ._fetch import exchange_missing
 
 logger = get_logger(__name__)
 
@@ -54,16 +55,17 @@ class LocatingFileSystem(FileSystemBase):
 
     def __init__(
         self,
-        metadata_path: str,
+        metadata: str | bytes,
         candidates: dict[str, list[str]],
         table: dict[str, tuple[int, int]],
         backend: StorageBackend,
     ) -> None:
-        self.metadata_path = metadata_path
+        self.metadata = metadata  # the commit record's path, or its bytes
         self.candidates = candidates
         self.table = table
         self.backend = backend
-        self.used: dict[str, str] = {}  # file name -> the path that served it
+        self.used: dict[str, str] = {}  # file name -> the path (or "rank N") that served it
+        self._verified: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -72,7 +74,10 @@ class LocatingFileSystem(FileSystemBase):
             raise StorageError(f"the tiered restore reader is read-only (asked for {mode!r})")
         name = os.path.basename(os.fspath(path))
         if name == ".metadata":
-            with self.backend.open_read(self.metadata_path) as f:
+            if isinstance(self.metadata, bytes):
+                yield io.BytesIO(self.metadata)
+                return
+            with self.backend.open_read(self.metadata) as f:
                 yield io.BytesIO(f.read())
             return
         yield io.BytesIO(byte_view(self.verified(name)).tobytes())
@@ -84,6 +89,9 @@ class LocatingFileSystem(FileSystemBase):
         expected = self.table.get(name)
         if expected is None:
             raise CorruptCheckpointError(f"{name} is not in the commit record's file table")
+        with self._lock:
+            if name in self._verified:
+                return self._verified[name]
         problems = []
         for path in self.candidates.get(name, []):
             try:
@@ -92,14 +100,23 @@ class LocatingFileSystem(FileSystemBase):
                 problems.append(f"{path}: {exc}")
                 logger.warning("skipping a bad copy of %s at %s: %s", name, path, exc)
                 continue
-            with self._lock:
-                self.used[name] = path
+            self.adopt(name, data, path)
             return data
         raise CorruptCheckpointError(
             f"no valid copy of data file {name}: "
             + ("; ".join(problems) if problems else "no reachable copy"),
             path=name,
         )
+
+    def adopt(self, name: str, data: torch.Tensor, source: str) -> None:
+        """Keep verified bytes of ``name`` (read here, or received from ``source``)."""
+        with self._lock:
+            self._verified[name] = data
+            self.used[name] = source
+
+    def reachable(self) -> list[str]:
+        """The data files this process has some copy of (not yet verified)."""
+        return sorted(name for name, paths in self.candidates.items() if paths)
 
     def _read_checked(self, path: str, size: int, crc: int) -> torch.Tensor:
         if isinstance(self.backend, PosixBackend):
@@ -148,15 +165,19 @@ class VerifyingReader(FileSystemReader):
     def __init__(
         self,
         checkpoint_id: str,
-        metadata_path: str,
+        metadata: str | bytes,
         candidates: dict[str, list[str]],
         table: dict[str, tuple[int, int]],
+        *,
+        exchange_group: Any = None,
     ) -> None:
         super().__init__(checkpoint_id)
         self.fs = LocatingFileSystem(  # type: ignore[assignment]
-            metadata_path, candidates, table, get_backend(metadata_path)
+            metadata, candidates, table, get_backend(checkpoint_id)
         )
         self.path = checkpoint_id
+        # Memory tier: files this rank needs but cannot reach come from ranks that can.
+        self.exchange_group = exchange_group
 
     def reset(self, checkpoint_id: Any = None) -> None:
         # dcp.load resets with its checkpoint_id argument (None here): keep our path.
@@ -169,6 +190,9 @@ class VerifyingReader(FileSystemReader):
         if any(self.storage_data[i.storage_index].transform_descriptors for i in plan.items):
             return super().read_data(plan, planner)
         fs = cast(LocatingFileSystem, self.fs)
+        if self.exchange_group is not None:
+            needed = {self.storage_data[i.storage_index].relative_path for i in plan.items}
+            exchange_missing(fs, sorted(needed), self.exchange_group)
         return read_items(plan, planner, self.storage_data, fs.verified)
 
 

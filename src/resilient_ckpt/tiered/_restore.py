@@ -6,11 +6,14 @@ of each committed step it could read, and (the coordinator) the committed durabl
 Every rank then computes the same ordered candidate list from the same gathered data:
 
 * a memory step is a candidate when some commit record of it was readable and every data
-  file of its table has at least one reachable copy of the right size (own or a peer's);
+  file of its table has a copy of the right size on some rank's node (own, a peer's on the
+  same node, or one another node sends during the load);
 * a durable step is a candidate when its ``.metadata`` exists;
 * newest first; at equal steps memory before durable (it is faster and as new).
 
-The manager then tries them in order with :class:`~._reader.VerifyingReader`; a candidate
+The commit record of a memory step goes from the lowest rank that read it to all (ranks
+on a replaced node have none). The manager then tries the candidates in order with
+:class:`~._reader.VerifyingReader`; a candidate
 whose files turn out corrupt on every copy makes ``dcp.load`` fail on every rank, and the
 next one is tried. Nothing here reads data files: sizes come from directory listings, and
 checksums are checked while the data is read for the load itself.
@@ -28,7 +31,14 @@ from ..errors import CorruptCheckpointError
 from ..storage import get_backend
 from ..storage.commit import COMMIT_RECORD
 from ..storage.retention import list_checkpoints
-from ._layout import METADATA_NAME, StepListing, parse_step, scan_memory, step_name
+from ._layout import (
+    METADATA_NAME,
+    StepListing,
+    memory_step_dir,
+    parse_step,
+    scan_memory,
+    step_name,
+)
 from ._reader import VerifyingReader
 from ._writes import file_table
 
@@ -105,28 +115,45 @@ def candidates(views: list[RankView]) -> list[Candidate]:
     return sorted(set(found), key=lambda c: (-c.step, c.tier != MEMORY))
 
 
-def memory_reader(memory_dir: str, rank: int, step: int) -> VerifyingReader:
-    """A reader of memory step ``step`` from the copies this rank can reach (own first)."""
+def record_holder(views: list[RankView], step: int) -> int | None:
+    """The lowest rank that read the commit record of memory step ``step``."""
+    return next((rank for rank, view in enumerate(views) if step in view.tables), None)
+
+
+def read_commit_record(memory_dir: str, step: int) -> bytes | None:
+    """The bytes of a readable commit record of memory step ``step`` on this node."""
+    for listing in scan_memory(memory_dir):
+        if listing.step == step and listing.committed:
+            path = os.path.join(listing.path, METADATA_NAME)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                if file_table(pickle.loads(data)):
+                    return data
+            except Exception as exc:
+                logger.warning("unreadable commit record %s: %r", path, exc)
+    return None
+
+
+def memory_reader(
+    memory_dir: str, rank: int, step: int, record: bytes, group: Any
+) -> VerifyingReader:
+    """A reader of memory step ``step`` (its commit record ``record``, as shared by the rank
+    that read it) from the copies this rank can reach (own first); the rest come from
+    other ranks over ``group`` when the load runs (``_fetch``)."""
+    table = file_table(pickle.loads(record))
+    if not table:
+        raise CorruptCheckpointError(
+            f"rank {rank}: the commit record of memory step {step} has no file table"
+        )
     listings = [s for s in scan_memory(memory_dir) if s.step == step]
     listings.sort(key=lambda s: (s.owner != rank, s.owner))
-    metadata_path = None
-    table: dict[str, tuple[int, int]] = {}
-    for listing in listings:
-        if listing.committed:
-            path = os.path.join(listing.path, METADATA_NAME)
-            table = _read_table(path)
-            if table:
-                metadata_path = path
-                break
-    if metadata_path is None:
-        raise CorruptCheckpointError(
-            f"rank {rank}: no readable commit record of memory step {step} in {memory_dir!r}"
-        )
     locations: dict[str, list[str]] = {}
     for listing in listings:
         for name in listing.files:
             locations.setdefault(name, []).append(os.path.join(listing.path, name))
-    return VerifyingReader(os.path.dirname(metadata_path), metadata_path, locations, table)
+    here = memory_step_dir(memory_dir, rank, step)
+    return VerifyingReader(here, record, locations, table, exchange_group=group)
 
 
 def durable_reader(durable_dir: str, step: int) -> VerifyingReader:
