@@ -8,7 +8,8 @@ between two collectives, so the exchange runs there, with the load plan known:
 
 1. each rank verifies (size + CRC-32) the files its plan reads that it has copies of, and
    lists those it has no valid copy of;
-2. one all-gather of (missing, reachable) lists; every rank computes the same assignment of
+2. when some rank misses something (one all-reduce says), one all-gather of (missing,
+   reachable) lists; every rank computes the same assignment of
    each missing file to a rank that can reach it (the least loaded in bytes, then the
    lowest rank);
 3. the transfers run in that one global order with blocking point-to-point sends, so every
@@ -69,6 +70,10 @@ def exchange_missing(fs: LocatingFileSystem, needed: list[str], group: Any) -> N
             fs.verified(name)
         except CorruptCheckpointError:
             missing.append(name)
+    count = torch.tensor([len(missing)], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    if not count.item():
+        return  # every rank reads all it needs on its own node (a restart, one host)
     wants: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(wants, (missing, fs.reachable()), group=group)
     sizes = {name: size for name, (size, _) in fs.table.items()}

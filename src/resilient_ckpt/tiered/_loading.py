@@ -136,6 +136,9 @@ class RestoreSteps:
             return None
         if not _dist.is_distributed():
             return _restore.read_commit_record(self.memory_dir, candidate.step)
+        if all(candidate.step in view.tables for view in views):
+            # Every rank read it while looking around: no broadcast needed.
+            return _restore.read_commit_record(self.memory_dir, candidate.step)
         holder = _restore.record_holder(views, candidate.step)
         payload: list[Any] = [None]
         if holder == self.rank:

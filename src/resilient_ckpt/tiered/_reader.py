@@ -114,6 +114,11 @@ class LocatingFileSystem(FileSystemBase):
             self._verified[name] = data
             self.used[name] = source
 
+    def release(self) -> None:
+        """Drop the verified copies (their mappings) once the load has copied them out."""
+        with self._lock:
+            self._verified.clear()
+
     def reachable(self) -> list[str]:
         """The data files this process has some copy of (not yet verified)."""
         return sorted(name for name, paths in self.candidates.items() if paths)
@@ -193,7 +198,10 @@ class VerifyingReader(FileSystemReader):
         if self.exchange_group is not None:
             needed = {self.storage_data[i.storage_index].relative_path for i in plan.items}
             exchange_missing(fs, sorted(needed), self.exchange_group)
-        return read_items(plan, planner, self.storage_data, fs.verified)
+        try:
+            return read_items(plan, planner, self.storage_data, fs.verified)
+        finally:
+            fs.release()  # no mapping outlives the load (it would pin the files' pages)
 
 
 def read_metadata(path: str) -> Any:
