@@ -358,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             env={"OMP_NUM_THREADS": "1"},
         )
     finally:
-        shutil.rmtree(memory, ignore_errors=True)
+        for path in (memory, f"{memory}.aside", f"{memory}.hidden"):  # also after a failure
+            shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(durable_parent, ignore_errors=True)
     _print(args, results[0])
     if args.json:
