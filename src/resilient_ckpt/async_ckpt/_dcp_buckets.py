@@ -115,10 +115,11 @@ def _load_items(payload: bytes) -> tuple[WriteItem, ...]:
 class ItemsBlob:
     """The tensor items of one data file, pickled once (lazily) and reused every save."""
 
-    __slots__ = ("_lock", "_payload", "items")
+    __slots__ = ("_lock", "_payload", "fqns", "items")
 
     def __init__(self, items: Sequence[WriteItem]) -> None:
         self.items = tuple(items)
+        self.fqns = tuple(item.index.fqn for item in self.items)
         self._payload: bytes | None = None
         self._lock = threading.Lock()
 
@@ -223,6 +224,36 @@ def _resolve_tensor(planner: SavePlanner, flat: dict[str, Any] | None, item: Wri
     return planner.resolve_data(item)
 
 
+def _resolve_blob(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | None) -> list:
+    """``snapshot_view(_resolve_tensor(...))`` of each item, inlined for the common kinds:
+    a save of thousands of tensors pays ~1 us per item here, not ~5."""
+    if flat is None:
+        return [snapshot_view(_resolve_tensor(planner, None, i), i.index.fqn) for i in blob.items]
+    plain = (torch.Tensor, torch.nn.Parameter)
+    partial: dict[tuple, bool] = {}  # per placements tuple (a handful per state)
+    out: list[torch.Tensor] = []
+    for item, fqn in zip(blob.items, blob.fqns, strict=True):
+        obj: Any = flat.get(fqn)
+        kind = type(obj)
+        tensor: Any = None
+        if kind in plain:
+            tensor = obj
+        elif kind is DTensor and type(obj._local_tensor) is torch.Tensor:
+            placements = obj._spec.placements
+            is_partial = partial.get(placements)
+            if is_partial is None:
+                is_partial = partial[placements] = any(p.is_partial() for p in placements)
+            if not is_partial:
+                tensor = obj._local_tensor
+        if tensor is None or not tensor.is_cpu:
+            out.append(snapshot_view(_resolve_tensor(planner, flat, item), fqn))
+        elif tensor.untyped_storage().nbytes() > tensor.nbytes:
+            out.append(tensor.detach().clone())  # a view into a larger storage: see there
+        else:
+            out.append(tensor.detach())
+    return out
+
+
 def build_buckets(
     plan: SavePlan,
     planner: SavePlanner,
@@ -240,10 +271,7 @@ def build_buckets(
     buckets: list[WriteBucket] = []
     for name, byte_items, blob in skeleton.files:
         bytes_data: Any = [(item, planner.resolve_data(item)) for item in byte_items]
-        tensor_data = ItemTensors(
-            (item, snapshot_view(_resolve_tensor(planner, flat, item), item.index.fqn))
-            for item in blob.items
-        )
+        tensor_data = ItemTensors(zip(blob.items, _resolve_blob(blob, planner, flat), strict=True))
         tensor_data.blob = blob
         buckets.append((join(checkpoint_dir, name), name, (bytes_data, tensor_data)))
     return buckets
