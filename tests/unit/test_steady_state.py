@@ -266,3 +266,58 @@ def test_dcp_steady_state_skips_planning_and_replans_every_change(tmp_path, monk
             _same_nested(expected, target)
     finally:
         queue.close()
+
+
+LOCAL_CHANGES = [
+    ("values only", lambda s: s["w0"].add_(1), True),
+    ("non-tensor value", lambda s: s.__setitem__("step", 2), False),
+    ("values only again", lambda s: s["w0"].add_(1), True),
+    ("float value to its negative zero", lambda s: s.__setitem__("lr", -0.0), False),
+    ("tensor replaced by a new object of the same shape", _replace_same_shape, True),
+    ("nested list value", lambda s: s["nested"]["l"].__setitem__(1, 9), False),
+    ("shape changed", lambda s: s.__setitem__("w6", torch.randn(3, 3)), False),
+    ("dtype changed", lambda s: s.__setitem__("w7", s["w7"].double()), False),
+    ("tensor added in a tuple", lambda s: s["nested"].__setitem__("t", (torch.ones(2),)), False),
+    ("an object of another type", lambda s: s.__setitem__("obj", {3, 4}), False),
+    ("still that object", lambda s: s["w0"].add_(1), False),
+    ("values only after changes", lambda s: s.pop("obj") and s["w0"].add_(1), False),
+    ("values only, steady again", lambda s: s["w0"].add_(1), True),
+]
+
+
+@pytest.mark.timeout(120)
+def test_local_flow_reuses_the_shard_layout_and_saves_every_change(tmp_path) -> None:
+    from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager
+    from resilient_ckpt.utils import diff
+
+    state = {k: v for k, v in _state().items() if k != "view"}
+    state["lr"] = 0.0
+    state["nested"] = {"l": [1, 2], "t": (3, "x")}
+    manager = LocalCheckpointManager(str(tmp_path), "s", keep_latest=1)
+    queue = AsyncCallsQueue()
+    try:
+        manager.save(BasicTensorAwareStateDict(state), 1, is_async=False)
+        cache = manager._shard_cache
+        for n, (what, change, steady) in enumerate(LOCAL_CHANGES, start=2):
+            change(state)
+            expected = _clone_nested(state)
+            expected["nested"]["t"] = tuple(_clone_nested(list(state["nested"]["t"])))
+            hits = cache.hits
+            request = manager.save(BasicTensorAwareStateDict(state), n, is_async=True)
+            queue.schedule_async_request(request)
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.data.add_(100)
+            queue.maybe_finalize_async_calls(blocking=True)
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.data.sub_(100)
+            assert (cache.hits == hits + 1) == steady, what
+            loaded = LocalCheckpointManager(str(tmp_path), "s")
+            assert loaded.find_latest() == n
+            got = loaded.load()[0].state_dict
+            assert diff(expected, got) == ([], [], []), what
+            if what.startswith("float"):
+                assert str(got["lr"]) == "-0.0"
+    finally:
+        queue.close()

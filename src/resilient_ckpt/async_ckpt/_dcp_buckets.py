@@ -39,11 +39,12 @@ from ..errors import ConfigurationError
 from ._dcp_write import WriteBucket
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
 
 _CACHE_SIZE = 4
+_NOT_PARTIAL = (Shard, Replicate)
 
 
 def item_nbytes(item: WriteItem) -> int:
@@ -230,7 +231,6 @@ def _resolve_blob(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | 
     if flat is None:
         return [snapshot_view(_resolve_tensor(planner, None, i), i.index.fqn) for i in blob.items]
     plain = (torch.Tensor, torch.nn.Parameter)
-    partial: dict[tuple, bool] = {}  # per placements tuple (a handful per state)
     out: list[torch.Tensor] = []
     for item, fqn in zip(blob.items, blob.fqns, strict=True):
         obj: Any = flat.get(fqn)
@@ -238,13 +238,13 @@ def _resolve_blob(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | 
         tensor: Any = None
         if kind in plain:
             tensor = obj
-        elif kind is DTensor and type(obj._local_tensor) is torch.Tensor:
+        elif kind is DTensor and type(local := obj._local_tensor) is torch.Tensor:
+            # One Shard or Replicate by its exact type: is_partial() is a Python call.
             placements = obj._spec.placements
-            is_partial = partial.get(placements)
-            if is_partial is None:
-                is_partial = partial[placements] = any(p.is_partial() for p in placements)
-            if not is_partial:
-                tensor = obj._local_tensor
+            if len(placements) == 1 and type(placements[0]) in _NOT_PARTIAL:
+                tensor = local
+            elif not any(p.is_partial() for p in placements):
+                tensor = local
         if tensor is None or not tensor.is_cpu:
             out.append(snapshot_view(_resolve_tensor(planner, flat, item), fqn))
         elif tensor.untyped_storage().nbytes() > tensor.nbytes:
