@@ -107,10 +107,15 @@ def split_shares(segments: Sequence[Segment], shares: int) -> list[list[Segment]
     return out
 
 
-def _run(segments: Sequence[Segment]) -> None:
+def plan_shares(host: Sequence[Segment], threads: int) -> list[list[Segment]]:
+    """The copy work of ``host`` ranges: coalesced, then split over ``threads``."""
+    return split_shares(coalesce(host), threads)
+
+
+def _run(segments: Sequence[Segment], base: int = 0) -> None:
     move = ctypes.memmove
     for dst, src, n in segments:
-        move(dst, src, n)
+        move(base + dst, src, n)
 
 
 class _Pool:
@@ -193,12 +198,15 @@ def start_copy(
     keepalive: list[Any],
     device_copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     non_blocking: bool = False,
+    shares: list[list[Segment]] | None = None,
+    base: int = 0,
 ) -> CopyJob:
     """Copy ``host`` ranges (and ``device_copies`` as ``(dst, src)`` tensors).
 
     Without ``overlap`` every byte is copied when this returns (the caller's thread takes a
     share); with it, the host ranges are only queued on the copy threads and the returned
-    job must be waited for before the sources change.
+    job must be waited for before the sources change. ``shares`` (from :func:`plan_shares`,
+    destinations relative to ``base``) replaces ``host`` when the plan is already known.
     """
     job = CopyJob(keepalive=keepalive if overlap else [])
     if device_copies:
@@ -206,17 +214,18 @@ def start_copy(
             for dst, src in device_copies:
                 dst.copy_(src, non_blocking=non_blocking)
         job.synchronize_cuda = True
-    shares = split_shares(coalesce(host), threads)
+    if shares is None:
+        shares = plan_shares(host, threads)
     if overlap:
         if shares and shares[0]:
             pool = _POOL.get(max(1, len(shares)))
-            job.futures = [pool.submit(_run, share) for share in shares]
+            job.futures = [pool.submit(_run, share, base) for share in shares]
         return job
     if len(shares) > 1:
         pool = _POOL.get(len(shares) - 1)
-        job.futures = [pool.submit(_run, share) for share in shares[1:]]
+        job.futures = [pool.submit(_run, share, base) for share in shares[1:]]
     try:
-        _run(shares[0] if shares else [])
+        _run(shares[0] if shares else [], base)
     finally:
         job.wait()
     return job

@@ -39,11 +39,12 @@ from ..errors import ConfigurationError
 from ._dcp_write import WriteBucket
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
 
 _CACHE_SIZE = 4
+_NOT_PARTIAL = (Shard, Replicate)
 
 
 def item_nbytes(item: WriteItem) -> int:
@@ -115,10 +116,11 @@ def _load_items(payload: bytes) -> tuple[WriteItem, ...]:
 class ItemsBlob:
     """The tensor items of one data file, pickled once (lazily) and reused every save."""
 
-    __slots__ = ("_lock", "_payload", "items")
+    __slots__ = ("_lock", "_payload", "fqns", "items")
 
     def __init__(self, items: Sequence[WriteItem]) -> None:
         self.items = tuple(items)
+        self.fqns = tuple(item.index.fqn for item in self.items)
         self._payload: bytes | None = None
         self._lock = threading.Lock()
 
@@ -223,6 +225,35 @@ def _resolve_tensor(planner: SavePlanner, flat: dict[str, Any] | None, item: Wri
     return planner.resolve_data(item)
 
 
+def _resolve_blob(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | None) -> list:
+    """``snapshot_view(_resolve_tensor(...))`` of each item, inlined for the common kinds:
+    a save of thousands of tensors pays ~1 us per item here, not ~5."""
+    if flat is None:
+        return [snapshot_view(_resolve_tensor(planner, None, i), i.index.fqn) for i in blob.items]
+    plain = (torch.Tensor, torch.nn.Parameter)
+    out: list[torch.Tensor] = []
+    for item, fqn in zip(blob.items, blob.fqns, strict=True):
+        obj: Any = flat.get(fqn)
+        kind = type(obj)
+        tensor: Any = None
+        if kind in plain:
+            tensor = obj
+        elif kind is DTensor and type(local := obj._local_tensor) is torch.Tensor:
+            # One Shard or Replicate by its exact type: is_partial() is a Python call.
+            placements = obj._spec.placements
+            if len(placements) == 1 and type(placements[0]) in _NOT_PARTIAL:
+                tensor = local
+            elif not any(p.is_partial() for p in placements):
+                tensor = local
+        if tensor is None or not tensor.is_cpu:
+            out.append(snapshot_view(_resolve_tensor(planner, flat, item), fqn))
+        elif tensor.untyped_storage().nbytes() > tensor.nbytes:
+            out.append(tensor.detach().clone())  # a view into a larger storage: see there
+        else:
+            out.append(tensor.detach())
+    return out
+
+
 def build_buckets(
     plan: SavePlan,
     planner: SavePlanner,
@@ -240,10 +271,7 @@ def build_buckets(
     buckets: list[WriteBucket] = []
     for name, byte_items, blob in skeleton.files:
         bytes_data: Any = [(item, planner.resolve_data(item)) for item in byte_items]
-        tensor_data = ItemTensors(
-            (item, snapshot_view(_resolve_tensor(planner, flat, item), item.index.fqn))
-            for item in blob.items
-        )
+        tensor_data = ItemTensors(zip(blob.items, _resolve_blob(blob, planner, flat), strict=True))
         tensor_data.blob = blob
         buckets.append((join(checkpoint_dir, name), name, (bytes_data, tensor_data)))
     return buckets

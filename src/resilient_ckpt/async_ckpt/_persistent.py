@@ -29,6 +29,7 @@ from ._copy import check_copy_threads, warm_threads
 from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
+from ._stage_cache import StageCache
 from ._staging import StagedRequest, stage, tensor_nbytes
 
 logger = get_logger(__name__)
@@ -68,6 +69,8 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
         self._status: dict[int, LocalStatus] = {}
         self._attached: set[int] = set()
         self._pool = ArenaPool(max_staging_buffers)
+        # The previous request's layout: a save of the same structure reuses it.
+        self.stage_cache = StageCache()
         self.timings: dict[int, dict[str, float]] = {}
 
     # -- scheduling ---------------------------------------------------------------------------
@@ -98,6 +101,7 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
             what=f"async request {call_idx}",
             threads=self.copy_threads,
             overlap=overlap_staging,
+            cache=self.stage_cache,
         )
         stage_s = time.perf_counter() - started
         self._inflight[call_idx] = staged.arena.arena_id if staged.arena is not None else None

@@ -69,6 +69,18 @@ def plan_matches_loaded(
     )
 
 
+def verify_global_md_reuse(
+    loaded_all_plans: list[SavePlan], local_plan: SavePlan, rank: int, dist_wrapper: _DistWrapper
+) -> bool:
+    """True iff every rank's local plan equals its plan in the loaded metadata (collective,
+    on gloo; only when the loaded plans cover every rank). NVRx's name, exported by
+    :mod:`.state_dict_saver`."""
+    if not loaded_all_plans or len(loaded_all_plans) != dist_wrapper.get_world_size():
+        return False
+    ok = plan_matches_loaded(loaded_all_plans, local_plan, rank, dist_wrapper.get_world_size())
+    return agree(ok, None, dist_wrapper, "verify_global_md_reuse")
+
+
 def check_writer(storage_writer: Any) -> None:
     if not isinstance(storage_writer, StorageWriter):
         raise ConfigurationError(
@@ -112,13 +124,31 @@ class Planning:
             )
         else:
             self.planner.set_up_planner(self.state_dict, is_coordinator=coordinator)
+        self.set_up_writer()
+        self.is_set_up = True
+
+    def set_up_writer(self) -> None:
+        coordinator = self.dist_wrapper.is_coordinator
         if "kwargs" in inspect.signature(self.writer.set_up_storage_writer).parameters:
             self.writer.set_up_storage_writer(
                 coordinator, rank=self.dist_wrapper.rank, use_collectives=True
             )
         else:
             self.writer.set_up_storage_writer(coordinator)
-        self.is_set_up = True
+
+    def context(self) -> tuple:
+        """Who plans: planner type and settings, writer type, world size, ranks."""
+        group = self.dist_wrapper.group
+        return (
+            f"{type(self.planner).__module__}.{type(self.planner).__qualname__}",
+            # is_coordinator: set by set_up_planner; the coordinator rank is below anyway.
+            [kv for kv in planner_settings(self.planner) if kv[0] != "is_coordinator"],
+            f"{type(self.writer).__module__}.{type(self.writer).__qualname__}",
+            self.dist_wrapper.get_world_size(),
+            self.dist_wrapper.rank,
+            self.dist_wrapper.coordinator_rank,
+            None if group is None else tuple(dist.get_process_group_ranks(group)),
+        )
 
     def signature(self) -> bytes:
         flat = getattr(self.planner, "state_dict", None)
@@ -126,17 +156,7 @@ class Planning:
             from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
             flat, _ = flatten_state_dict(self.state_dict)
-        group = self.dist_wrapper.group
-        context = (
-            f"{type(self.planner).__module__}.{type(self.planner).__qualname__}",
-            planner_settings(self.planner),
-            f"{type(self.writer).__module__}.{type(self.writer).__qualname__}",
-            self.dist_wrapper.get_world_size(),
-            self.dist_wrapper.rank,
-            self.dist_wrapper.coordinator_rank,
-            None if group is None else dist.get_process_group_ranks(group),
-        )
-        return structure_signature(flat, context)
+        return structure_signature(flat, self.context())
 
     def local_step(self) -> SavePlan:
         if not self.is_set_up:

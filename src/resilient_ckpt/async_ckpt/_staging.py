@@ -52,6 +52,7 @@ from ..errors import InvalidRequestError, StagingError
 from ._arena import Arena, ArenaPool
 from ._copy import CopyJob, start_copy
 from ._messages import Slot
+from ._stage_cache import StageCache
 
 logger = get_logger(__name__)
 
@@ -75,35 +76,52 @@ def _reduce_module(module: types.ModuleType) -> Any:
 
 
 class _Collector:
-    """Per-pickle state: the storages met so far, by identity, in order of first use."""
+    """Per-pickle state: the storages met so far, by identity, in order of first use.
+
+    It also records, per reducer call, what :mod:`._stage_cache` needs to reuse this pickle's
+    descriptors: the result, and the tensor's layout key (see ``layout_keys`` there).
+    ``reusable`` turns False when a tensor is pickled by value or lives on a device.
+    """
 
     def __init__(self) -> None:
         self.slots: list[_PendingSlot] = []
         self._slot_of: dict[tuple[str, int, int], int] = {}
+        self.tensors: list[torch.Tensor] = []
+        self.reduced: list[Any] = []
+        self.reusable = True
 
     def reduce_tensor(self, obj: torch.Tensor) -> Any:
+        self.tensors.append(obj)
         if obj.layout != torch.strided or obj.device.type == "meta" or obj.is_quantized:
+            self.reusable = False
             return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         storage = obj.untyped_storage()
         nbytes = storage.nbytes()
         key = (storage.device.type, storage.data_ptr(), nbytes)
+        if key[0] != "cpu":
+            self.reusable = False
         slot = self._slot_of.get(key)
         if slot is None or nbytes == 0:
             slot = len(self.slots)
             self.slots.append(_PendingSlot(storage, nbytes))
             self._slot_of[key] = slot
-        return _rebuild_staged, (
-            slot,
-            obj.dtype,
-            tuple(obj.size()),
-            obj.stride(),
-            obj.storage_offset(),
-            obj.requires_grad,
-            type(obj) is torch.nn.Parameter,
+        reduced = (
+            _rebuild_staged,
+            (
+                slot,
+                obj.dtype,
+                tuple(obj.size()),
+                obj.stride(),
+                obj.storage_offset(),
+                obj.requires_grad,
+                type(obj) is torch.nn.Parameter,
+            ),
         )
+        self.reduced.append(reduced)
+        return reduced
 
 
-def _dispatch_table(collector: _Collector) -> dict[type, Any]:
+def _dispatch_table(collector: Any) -> dict[type, Any]:
     """Tensors become arena descriptors; found by a type lookup inside the C pickler.
 
     A ``persistent_id`` method would be a Python call for *every* object pickled (about 75
@@ -145,8 +163,8 @@ def _rebuild_staged(
         arena = _unstaging.arena
         if arena is None:
             raise StagingError("request references staged tensors but no arena")
-        where = _unstaging.slots[slot]
-        storage = arena.view(where.offset, where.nbytes).untyped_storage()
+        offset_in_arena, nbytes = _unstaging.slots[slot]
+        storage = arena.view(offset_in_arena, nbytes).untyped_storage()
         storages[slot] = storage
     tensor = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
     if is_param:
@@ -171,21 +189,33 @@ class StagedRequest:
     copy: CopyJob | None = None
 
 
-def pickle_with_descriptors(obj: Any, what: str) -> tuple[bytes, list[_PendingSlot]]:
-    """Pickle ``obj`` with tensors replaced by descriptors; name ``what`` on failure."""
+def dump_with(obj: Any, reducer_owner: Any) -> bytes:
+    """Pickle ``obj``; tensors go through ``reducer_owner.reduce_tensor``."""
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _dispatch_table(reducer_owner)
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
+    """Pickle ``obj`` with tensors replaced by descriptors; name ``what`` on failure."""
     collector = _Collector()
-    pickler.dispatch_table = _dispatch_table(collector)
     try:
-        pickler.dump(obj)
+        payload = dump_with(obj, collector)
     except Exception as exc:
         raise InvalidRequestError(
             f"{what} cannot be sent to the background worker: {type(exc).__name__}: {exc}. "
             "Use module-level functions (not lambdas or local functions) and picklable "
             "arguments, or functools.partial of them."
         ) from exc
-    return buf.getvalue(), collector.slots
+    return payload, collector
+
+
+def pickle_with_descriptors(obj: Any, what: str) -> tuple[bytes, list[_PendingSlot]]:
+    """Pickle ``obj`` with tensors replaced by descriptors; name ``what`` on failure."""
+    payload, collector = collect_descriptors(obj, what)
+    return payload, collector.slots
 
 
 def _layout(slots: list[_PendingSlot]) -> int:
@@ -245,13 +275,31 @@ def stage(
     *,
     threads: int = 1,
     overlap: bool = False,
+    cache: StageCache | None = None,
 ) -> StagedRequest:
     """Pickle ``obj`` and copy its tensors into an arena from ``pool``.
 
     With ``overlap`` the copy may still be running when this returns (``StagedRequest.copy``).
+    With ``cache``, a request laid out like the previous one reuses its descriptors and copy
+    plan (:mod:`._stage_cache`); otherwise it is staged fully and the cache rebuilt.
     """
-    payload, pending = pickle_with_descriptors(obj, what)
+    if cache is not None:
+        guessed = cache.try_pickle(obj, dump_with, threads)
+        if guessed is not None:
+            payload, tensors = guessed
+            if not cache.slots:
+                return StagedRequest(payload, None, (), 0)
+            arena, job = cache.copy(pool, wait_for_release, tensors, overlap=overlap)
+            return StagedRequest(payload, arena, cache.slots, cache.total, job if overlap else None)
+    payload, collector = collect_descriptors(obj, what)
+    pending = collector.slots
     total = _layout(pending)
+    slots: tuple[Slot, ...] = tuple((p.offset, p.nbytes) for p in pending)
+    if cache is not None:
+        host = [(p.offset, p.storage.data_ptr(), p.nbytes) for p in pending if p.nbytes]
+        cache.remember(
+            collector.tensors, collector.reduced, collector.reusable, slots, host, total, threads
+        )
     if not pending:
         return StagedRequest(payload, None, (), 0)
     arena = pool.acquire(total, wait_for_release)
@@ -260,7 +308,6 @@ def stage(
     except BaseException:
         pool.release(arena.arena_id)
         raise
-    slots = tuple(Slot(p.offset, p.nbytes) for p in pending)
     return StagedRequest(payload, arena, slots, total, job if overlap else None)
 
 

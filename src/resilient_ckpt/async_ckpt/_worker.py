@@ -121,6 +121,7 @@ def main(
         daemon=True,
     )
     receiver.start()
+    gc.freeze()  # what start-up imported lives as long as the worker: never scan it
     while True:
         item = work.get()
         if item is _STOP:
@@ -135,7 +136,12 @@ def main(
             channel.send(result)
         except (BrokenPipeError, OSError):
             os._exit(0)
-        # After replying: a full collection takes ~0.1 s with torch loaded, and the trainer
-        # (blocked in finalize) must not wait for it; the request's objects are already gone.
+        # After replying: the trainer (blocked in finalize) must not wait for it; the
+        # request's objects are already gone. Then everything still alive (modules, caches)
+        # is frozen out of later collections: a full collection over torch's objects takes
+        # ~0.1 s holding the GIL, so the receiver thread could not read the next request
+        # meanwhile and a trainer sending one larger than the socket buffer (the write items
+        # of thousands of tensors) would block in send until it ended.
         gc.collect()
+        gc.freeze()
     channel.close()

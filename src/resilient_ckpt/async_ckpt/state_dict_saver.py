@@ -46,13 +46,14 @@ from .. import _dist
 from .._logging import get_logger
 from .._rank_errors import RankFailureError, from_checkpoint_exception, wrap_for_gather
 from ..errors import InvalidRequestError
+from ._fast_plan import FastRecord, steady_state_plan
 from ._metadata_reuse import (
     check_reuse_arguments,
     find_layout_mismatch,
     share_created_metadata,
     stale_error,
 )
-from ._planning import Planning, agree, check_writer, is_decentralized, plan_matches_loaded
+from ._planning import Planning, check_writer, is_decentralized, verify_global_md_reuse
 from ._structure import check_state_dict
 
 logger = get_logger(__name__)
@@ -86,6 +87,7 @@ class CheckpointMetadataCache:
         self.validated_loaded_metadata_reuse = False
         self.loaded_all_plans: list[SavePlan] | None = None
         self.structure_signature: bytes | None = None
+        self.fast_record: FastRecord | None = None  # see ._fast_plan
         self.hits = 0
         self.misses = 0
 
@@ -144,6 +146,7 @@ class CheckpointMetadataCache:
         global_metadata: Metadata | None,
     ) -> None:
         """Replace the cache by the result of a full planning."""
+        self.fast_record = None
         self.structure_signature = signature
         self.cached_central_plan = central_plan
         self.cached_local_plan = local_plan
@@ -169,17 +172,6 @@ def get_metadata_caching_status() -> tuple[bool, bool] | None:
     if _checkpoint_metadata_cache is None:
         return None
     return _checkpoint_metadata_cache.get_metadata_caching_status()
-
-
-def verify_global_md_reuse(
-    loaded_all_plans: list[SavePlan], local_plan: SavePlan, rank: int, dist_wrapper: _DistWrapper
-) -> bool:
-    """True iff every rank's local plan equals its plan in the loaded metadata (collective,
-    on gloo; only when the loaded plans cover every rank)."""
-    if not loaded_all_plans or len(loaded_all_plans) != dist_wrapper.get_world_size():
-        return False
-    ok = plan_matches_loaded(loaded_all_plans, local_plan, rank, dist_wrapper.get_world_size())
-    return agree(ok, None, dist_wrapper, "verify_global_md_reuse")
 
 
 def _resolve_cache(
@@ -236,27 +228,34 @@ def save_state_dict_async_plan(
     per save checks it); ``metadata_cache`` defaults to the process-wide cache.
     """
     use_dist = dist.is_available() and dist.is_initialized()
-    _check_inputs(state_dict, storage_writer, use_dist and process_group is None)
     dist_wrapper = _DistWrapper(process_group, use_dist, coordinator_rank)
     planner = planner if planner is not None else DefaultSavePlanner()
     cache = _resolve_cache(enable_cache, metadata_cache)
     planning = Planning(state_dict, storage_writer, planner, dist_wrapper)
     started = time.perf_counter()
     hit, signature, reused_loaded = False, None, False
-    if cache is not None:
-        hit, signature = planning.revalidate(cache)
-    if hit and cache is not None and cache.cached_central_plan is not None:
-        central_plan = cache.cached_central_plan
-    elif is_decentralized(planner, storage_writer):
-        loaded = cache.loaded_all_plans if cache is not None else None
-        loaded_md = cache.cached_global_metadata if cache is not None else None
+    # Every rank has planned as often as the others, so all take this branch or none.
+    steady = bool(cache and cache.misses) and not is_decentralized(planner, storage_writer)
+    central_plan = steady_state_plan(planning, cache) if steady else None
+    if central_plan is None:
+        _check_inputs(state_dict, storage_writer, use_dist and process_group is None)
+        if cache is not None:
+            hit, signature = planning.revalidate(cache)
+            central_plan = cache.cached_central_plan if hit else None
+    elif cache is not None:
+        hit, signature = True, cache.structure_signature
+    if central_plan is None:
         with _as_rank_failure("DCP save planning"):
-            central_plan, reused_loaded = planning.plan_decentralized(loaded, loaded_md)
-    else:
-        with _as_rank_failure("DCP save planning"):
-            central_plan = planning.plan_centrally()
+            if is_decentralized(planner, storage_writer):
+                loaded = cache.loaded_all_plans if cache is not None else None
+                loaded_md = cache.cached_global_metadata if cache is not None else None
+                central_plan, reused_loaded = planning.plan_decentralized(loaded, loaded_md)
+            else:
+                central_plan = planning.plan_centrally()
     central_plan = planner.finish_plan(central_plan)
     global_metadata = _update_cache(cache, hit, signature, central_plan, planning, reused_loaded)
+    if cache is not None and not (steady and hit):
+        cache.fast_record = FastRecord.make(state_dict, planner, planning.context(), cache.misses)
     plan_s = time.perf_counter() - started
     storage_writer.prepare_write_data(central_plan, planner)
     logger.info(

@@ -42,6 +42,21 @@ def agree_gather(what: str, step: Callable[[], tuple[T, Any]]) -> tuple[T, list[
     return value, [o.payload for o in outcomes]  # type: ignore[return-value]
 
 
+def agree_number(what: str, step: Callable[[], T], number: int) -> tuple[T, list[int]]:
+    """Like :func:`agree_gather` for an ``int`` to share: it travels in the one tensor
+    all-gather that carries the failures (``agree_gather`` costs an object all-gather, two
+    collectives and a pickle per rank). Collective."""
+    error: Exception | None = None
+    value: T | None = None
+    try:
+        value = step()
+    except Exception as exc:
+        error = exc
+    shared = number if error is None and isinstance(number, int) else -1
+    outcomes = _dist.agree(what, error, ints=(shared,))
+    return value, [o.ints[0] for o in outcomes]  # type: ignore[return-value]
+
+
 def agree(what: str, step: Callable[[], T]) -> T:
     """Run ``step`` here; raise on every rank if it failed on any. Collective."""
     error: Exception | None = None

@@ -100,6 +100,11 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     def is_hollow(self) -> bool:
         return self._is_hollow
 
+    def reusable_layout(self) -> bool:
+        """Whether a shard layout planned for an equal structure fits this state: not
+        hollow, and no tensor has to be recorded as coming from another device."""
+        return not self._is_hollow and self._origin is None
+
     @property
     def tensors(self) -> Iterator[torch.Tensor]:
         self._require(False, "tensors")

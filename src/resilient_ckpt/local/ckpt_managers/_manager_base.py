@@ -23,6 +23,7 @@ from ...errors import (
 )
 from .._background import BackgroundSaves
 from .._manifest import CopyInfo
+from .._shard_cache import ShardPlanCache
 from ..replication import _chunked
 from ..replication.strategies import ReplicationStrategy
 
@@ -49,6 +50,8 @@ class ManagerBase(ABC):
         self._inflight: set[int] = set()
         self._newest_saved = -1
         self._background = BackgroundSaves()
+        # The previous save's shard layout, reused while the structure is unchanged.
+        self._shard_cache = ShardPlanCache()
 
     @property
     def rank(self) -> int:

@@ -27,7 +27,7 @@ from ...errors import (
     ConfigurationError,
     SameMachineReplicationException,
 )
-from .._agreement import agree, agree_gather
+from .._agreement import agree, agree_number
 from .._background import clique_for_background, wait_for_status, write_status
 from .._format import (
     ShardBuffer,
@@ -74,7 +74,7 @@ class SaveSteps(ManagerBase):
                 f"({newest}); iterations must increase"
             )
         self._prepare_save(iteration)
-        return plan_shard(state_dict)
+        return self._shard_cache.plan(state_dict, plan_shard)
 
     def save(
         self, state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False
@@ -85,8 +85,8 @@ class SaveSteps(ManagerBase):
         or fork) when ``is_async``; else writes, commits and returns None.
         """
         started = time.perf_counter()
-        layout, iterations = agree_gather(
-            "local checkpoint save", lambda: (self._prepare(state_dict, iteration), iteration)
+        layout, iterations = agree_number(
+            "local checkpoint save", lambda: self._prepare(state_dict, iteration), iteration
         )
         if len(set(iterations)) != 1:
             raise ConfigurationError(f"ranks save different iterations: {iterations}")

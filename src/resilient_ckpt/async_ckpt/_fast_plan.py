@@ -1,0 +1,195 @@
+"""The steady-state check of an async DCP save: is this state laid out as at the last save?
+
+Decision: with the plan cache on, a save of an unchanged structure needs no planning at all,
+only the cached plan and the state's current objects. The general check (set up the planner,
+which flattens the state, then a BLAKE2b signature over a textual description of every entry,
+see :mod:`._structure`) costs ~10 us per entry: most of a 2000-tensor save's stall. This
+module checks the same thing in one walk over the *nested* state, ~1 us per entry:
+
+* **tokens**: for every container, its type and its keys in order; for every leaf, its type
+  (for a ``list`` leaf, its elements' types too: DCP traverses a list only if it holds
+  tensors or containers, so that decides the flattening);
+* **plan keys**: for a tensor, what its write items depend on (shape, dtype,
+  ``requires_grad``, layout); for a DTensor, its spec (mesh, placements, global shape,
+  stride, dtype: compared by identity first, which holds while the DTensor object is the
+  same) and ``requires_grad``.
+
+A :class:`FastRecord` is made after a planned save, only if DCP's own flattening of that
+state visited exactly the walk's leaves, in order (checked object by object), so the
+planner's flat state can later be rebuilt as ``dict(zip(fqns, leaves))`` without flattening.
+It also keeps the planning context (planner type and settings, writer type, world size,
+ranks), as the signature does. Anything the walk does not model (ShardedTensors, objects
+with ``__create_write_items__``, other tensor subclasses, lists holding containers or
+tensors, non-default planners) gets no record: those saves take the general path.
+
+Equal tokens and plan keys imply an equal structure signature, so the cached plan is valid
+for this rank; the saver still agrees across ranks (one small collective) that every rank
+matched the same planning generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class _Unsupported(Exception):
+    """The state holds something the walk does not model."""
+
+
+def _leaf(value: Any, tokens: list, keys: list) -> None:
+    kind = type(value)
+    if kind in _PLAIN:
+        tokens.append(kind)
+        keys.append((value.shape, value.dtype, value.requires_grad, value.layout))
+    elif kind is DTensor:
+        tokens.append(kind)
+        keys.append((value._spec, value.requires_grad))
+    elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+        raise _Unsupported(kind.__name__)
+    elif kind is list:
+        inner = tuple(type(v) for v in value)
+        if any(issubclass(t, (Mapping, list, torch.Tensor)) for t in inner):
+            raise _Unsupported("list of containers or tensors")
+        tokens.append((kind, inner))
+    else:
+        tokens.append(kind)
+
+
+def _walk(mapping: Mapping, tokens: list, leaves: list, keys: list) -> None:
+    tokens.append((type(mapping), tuple(mapping)))
+    for value in mapping.values():
+        kind = type(value)
+        if kind is DTensor:  # the common leaves inline: ~1 us per entry matters here
+            leaves.append(value)
+            tokens.append(kind)
+            keys.append((value._spec, value.requires_grad))
+        elif kind in _PLAIN:
+            leaves.append(value)
+            tokens.append(kind)
+            keys.append((value.shape, value.dtype, value.requires_grad, value.layout))
+        elif isinstance(value, Mapping):
+            _walk(value, tokens, leaves, keys)
+        else:
+            leaves.append(value)
+            _leaf(value, tokens, keys)
+
+
+def walk(state_dict: Mapping) -> tuple[list, list, list] | None:
+    """``(tokens, leaves, plan keys)`` of a nested state, or None if it is not modelled."""
+    tokens: list = []
+    leaves: list = []
+    keys: list = []
+    try:
+        _walk(state_dict, tokens, leaves, keys)
+    except _Unsupported:
+        return None
+    return tokens, leaves, keys
+
+
+def planner_supported(planner: Any) -> bool:
+    """A planner whose set-up is DCP's flattening, so the fast path may emulate it."""
+    return (
+        isinstance(planner, DefaultSavePlanner)
+        and type(planner).set_up_planner is DefaultSavePlanner.set_up_planner
+        and bool(getattr(planner, "flatten_state_dict", False))
+        and not getattr(planner, "_enable_plan_caching", False)
+    )
+
+
+@dataclass(frozen=True)
+class FastRecord:
+    """What a steady-state save compares against, and how to rebuild the flat state."""
+
+    context: tuple
+    tokens: list
+    keys: list
+    fqns: tuple[str, ...]
+    mappings: dict
+    generation: int
+
+    @classmethod
+    def make(
+        cls, state_dict: Mapping, planner: Any, context: tuple, generation: int
+    ) -> FastRecord | None:
+        """After ``planner.set_up_planner(state_dict)``: a record, if the walk matches DCP."""
+        if not planner_supported(planner):
+            return None
+        walked = walk(state_dict)
+        flat = getattr(planner, "state_dict", None)
+        if walked is None or not isinstance(flat, dict):
+            return None
+        tokens, leaves, keys = walked
+        if len(flat) != len(leaves):
+            return None
+        if any(a is not b for a, b in zip(flat.values(), leaves, strict=True)):
+            return None
+        mappings = dict(getattr(planner, "mappings", {}) or {})
+        return cls(context, tokens, keys, tuple(flat), mappings, generation)
+
+    def match(self, state_dict: Mapping, context: tuple) -> list | None:
+        """The state's leaves (in the flat order) if it is laid out as recorded, else None."""
+        if context != self.context:
+            return None
+        walked = walk(state_dict)
+        if walked is None:
+            return None
+        tokens, leaves, keys = walked
+        if tokens != self.tokens or keys != self.keys:
+            return None
+        return leaves
+
+    def set_up(self, planner: Any, leaves: list, is_coordinator: bool) -> None:
+        """What ``DefaultSavePlanner.set_up_planner`` would leave, without flattening."""
+        planner.state_dict = dict(zip(self.fqns, leaves, strict=True))
+        planner.mappings = dict(self.mappings)
+        planner.is_coordinator = is_coordinator
+
+
+def steady_state_plan(planning: Any, cache: Any) -> Any:
+    """The cached central plan if every rank's state matches its record of the same
+    planning generation, with the planner and writer set up for it; else None.
+
+    Collective (one small all-gather on a gloo group, see ``_planning.agree``); it also
+    carries set-up failures (a bad writer, an unusable directory): any rank's failure
+    raises on every rank.
+    """
+    from .. import _dist
+    from ._planning import agreement_group, check_writer
+
+    dw = planning.dist_wrapper
+    record: FastRecord | None = cache.fast_record
+    leaves: list | None = None
+    error: Exception | None = None
+    try:
+        check_writer(planning.writer)
+        if record is not None and planner_supported(planning.planner):
+            leaves = record.match(planning.state_dict, planning.context())
+            if leaves is not None:
+                planning.set_up_writer()
+    except Exception as exc:
+        error = exc
+    outcomes = _dist.agree(
+        "DCP save planning (steady-state check)",
+        error,
+        ints=(leaves is not None, record.generation if record is not None else -1),
+        group=agreement_group(dw),
+        local_only=not dw.use_dist or dw.get_world_size() == 1,
+    )
+    if not all(o.ints[0] for o in outcomes) or len({o.ints[1] for o in outcomes}) != 1:
+        return None
+    assert record is not None and leaves is not None  # every rank, this one too, matched
+    record.set_up(planning.planner, leaves, dw.is_coordinator)
+    planning.is_set_up = True
+    return cache.cached_central_plan
