@@ -4,6 +4,7 @@ aligned, and nothing beyond a saved tensor is unpickled by hand."""
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
@@ -132,3 +133,23 @@ def test_item_past_the_end_of_the_file_is_a_named_error(tmp_path, monkeypatch) -
             {"t": torch.zeros(100)},
             storage_reader=CachedMetadataFileSystemReader(str(tmp_path / "ck")),
         )
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_no_mapping_outlives_the_load(tmp_path) -> None:
+    """A mapping kept alive after the load (e.g. by a reference cycle waiting for the
+    garbage collector) would pin the file's pages in the page cache."""
+    state = {f"t{i}": torch.randn(1000) for i in range(4)}
+    _save_ours(state, tmp_path / "ck", align=False)
+    gc.collect()
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            target = {k: torch.zeros_like(v) for k, v in state.items()}
+            dcp.load(target, storage_reader=CachedMetadataFileSystemReader(str(tmp_path / "ck")))
+        with open("/proc/self/maps") as maps:
+            assert str(tmp_path / "ck") not in maps.read()
+    finally:
+        gc.enable()
+    assert all(torch.equal(target[k], v) for k, v in state.items())

@@ -20,6 +20,7 @@ writer, or ours with byte-identical output) is copied once into aligned memory f
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import mmap
 import os
@@ -121,11 +122,15 @@ class _StorageRef:
 
 
 class _TensorUnpickler(pickle.Unpickler):
-    """Unpickles ``data.pkl`` of a saved tensor into a :class:`_Record`; knows nothing else."""
+    """Unpickles ``data.pkl`` of a saved tensor into a :class:`_Record`; knows nothing else.
+
+    What ``find_class`` returns lands in the unpickler's memo, so it must not refer back to
+    the unpickler: a cycle would keep the archive's memory (a file mapping) alive until the
+    cyclic garbage collector ran, pinning the file's pages in the page cache."""
 
     def __init__(self, data: bytes, records: Callable[[_StorageRef], torch.Tensor]) -> None:
         super().__init__(io.BytesIO(data))
-        self._records = records
+        self._rebuild = functools.partial(_rebuild, records)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
@@ -144,21 +149,23 @@ class _TensorUnpickler(pickle.Unpickler):
             raise _Unsupported(f"storage type {dtype!r}")
         return _StorageRef(str(key), dtype, int(numel))
 
-    def _rebuild(
-        self,
-        storage: Any,
-        offset: int,
-        size: Sequence[int],
-        stride: Sequence[int],
-        requires_grad: bool = False,
-        hooks: Any = None,
-        metadata: Any = None,
-    ) -> _Record:
-        if not isinstance(storage, _StorageRef) or hooks or metadata:
-            raise _Unsupported("a tensor with hooks or metadata")
-        record = _Record(self._records(storage), storage.dtype)
-        record.offset, record.size, record.stride = int(offset), tuple(size), tuple(stride)
-        return record
+
+def _rebuild(
+    records: Callable[[_StorageRef], torch.Tensor],
+    storage: Any,
+    offset: int,
+    size: Sequence[int],
+    stride: Sequence[int],
+    requires_grad: bool = False,
+    hooks: Any = None,
+    metadata: Any = None,
+) -> _Record:
+    """``torch._utils._rebuild_tensor_v2``'s arguments -> where the tensor lies."""
+    if not isinstance(storage, _StorageRef) or hooks or metadata:
+        raise _Unsupported("a tensor with hooks or metadata")
+    record = _Record(records(storage), storage.dtype)
+    record.offset, record.size, record.stride = int(offset), tuple(size), tuple(stride)
+    return record
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
