@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from resilient_ckpt.async_ckpt._arena import ARENA_NAME
+
 
 def write_tensors(path: str, state: Any) -> None:
     torch.save(state, path)
@@ -74,7 +76,7 @@ def memfd_mappings() -> int:
     with open("/proc/self/maps") as f:
         for line in f:
             for token in line.split():
-                if "resilient_ckpt_arena" in token:
+                if ARENA_NAME in token:
                     names.add(token)
     return len(names)
 

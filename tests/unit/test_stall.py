@@ -3,7 +3,6 @@ bounded memory (issue 13). Timings are benchmarked (benchmarks/stall.py), never 
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resilient_ckpt.async_ckpt import _copy
+from resilient_ckpt.async_ckpt._arena import open_arena_fds
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
@@ -24,19 +24,6 @@ from resilient_ckpt.errors import ConfigurationError
 from tests._helpers import memfd_mappings
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _memfds_open() -> int:
-    """Distinct staging memfds this process holds open (mmap keeps a dup of each)."""
-    names = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if "resilient_ckpt_arena" in target:
-            names.add(target)
-    return len(names)
 
 
 def _state(n_small: int = 40, big: int = 0) -> dict:
@@ -148,20 +135,20 @@ def test_overlapped_snapshot_holds_values_of_the_call(tmp_path) -> None:
 def test_warmup_presizes_the_arena_and_memory_stays_bounded(tmp_path) -> None:
     """After warmup(state) the saves create no arena; 50 saves of one structure keep one
     memfd; a state that outgrows the arena replaces it (the worker unmaps the old one)."""
-    before = _memfds_open()
+    before = open_arena_fds()
     ckpt = TorchAsyncCheckpoint()
     try:
         state = _state(n_small=20, big=1 << 16)
         ckpt.warmup(state)
         caller = ckpt.queue.persistent_caller
         assert caller is not None and caller.staging_arenas_created == 1
-        assert _memfds_open() == before + 1
+        assert open_arena_fds() == before + 1
         for i in range(50):
             state["small0"].fill_(i)
             ckpt.async_save(state, str(tmp_path / "steady.pt"))
             ckpt.finalize_async_save(blocking=True)
         assert caller.staging_arenas_created == 1
-        assert _memfds_open() == before + 1
+        assert open_arena_fds() == before + 1
         assert memfd_mappings() == 1
         assert torch.load(tmp_path / "steady.pt")["small0"][0].item() == 49
         state["big"] = torch.randn(1 << 20)  # outgrows the arena
@@ -169,12 +156,12 @@ def test_warmup_presizes_the_arena_and_memory_stays_bounded(tmp_path) -> None:
             ckpt.async_save(state, str(tmp_path / "grown.pt"))
             ckpt.finalize_async_save(blocking=True)
         assert caller.staging_arenas_created == 2 and caller._pool.replaced == 1
-        assert _memfds_open() == before + 1
+        assert open_arena_fds() == before + 1
         assert caller._attached == caller._pool.live_ids()
         _same(state, torch.load(tmp_path / "grown.pt"))
     finally:
         ckpt.close()
-    assert _memfds_open() == before
+    assert open_arena_fds() == before
 
 
 def _dcp_save(queue: AsyncCallsQueue, state: dict, path, cache, overlap: bool) -> None:

@@ -26,6 +26,22 @@ _MIN_BYTES = 64
 _arena_ids = itertools.count(1)
 
 
+ARENA_NAME = "resilient_ckpt_arena"  # memfd name prefix: how tools find the arenas
+
+
+def open_arena_fds() -> int:
+    """Distinct staging-arena memfds this process holds open (a mapping keeps a dup)."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if ARENA_NAME in target:
+            names.add(target)
+    return len(names)
+
+
 class Arena:
     """One anonymous shared-memory region (a memfd), mapped read-write."""
 
@@ -41,7 +57,7 @@ class Arena:
         self.nbytes = max(int(nbytes), _MIN_BYTES)
         owns_fd = fd is None
         if fd is None:
-            fd = os.memfd_create(f"resilient_ckpt_arena_{self.arena_id}", os.MFD_CLOEXEC)
+            fd = os.memfd_create(f"{ARENA_NAME}_{self.arena_id}", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, self.nbytes)
             except OSError:

@@ -166,6 +166,7 @@ def steady_state_plan(planning: Any, cache: Any) -> Any:
     raises on every rank.
     """
     from .. import _dist
+    from ..errors import CheckpointingException
     from ._planning import agreement_group, check_writer
 
     dw = planning.dist_wrapper
@@ -189,7 +190,8 @@ def steady_state_plan(planning: Any, cache: Any) -> Any:
     )
     if not all(o.ints[0] for o in outcomes) or len({o.ints[1] for o in outcomes}) != 1:
         return None
-    assert record is not None and leaves is not None  # every rank, this one too, matched
+    if record is None or leaves is None:  # this rank reported a match above
+        raise CheckpointingException("steady-state planning: a matched record went missing")
     record.set_up(planning.planner, leaves, dw.is_coordinator)
     planning.is_set_up = True
     return cache.cached_central_plan

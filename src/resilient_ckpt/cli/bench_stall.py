@@ -240,16 +240,7 @@ class _Flows:
     def memory(self, saves: int) -> dict[str, float]:
         import psutil
 
-        def memfds() -> int:
-            names = set()
-            for fd in os.listdir("/proc/self/fd"):
-                try:
-                    target = os.readlink(f"/proc/self/fd/{fd}")
-                except OSError:
-                    continue
-                if "resilient_ckpt_arena" in target:
-                    names.add(target)
-            return len(names)
+        from ..async_ckpt._arena import open_arena_fds as memfds
 
         proc = psutil.Process()
         self.torch_async()

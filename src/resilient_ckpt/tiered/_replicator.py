@@ -24,7 +24,7 @@ cannot interleave. The background worker process cannot do it: it has no process
 The data crosses the network (a gloo broadcast), not a shared file system, because in a
 real job the clique peers sit on other nodes. What still costs the trainer: nothing
 while the exchange runs, beyond sharing the CPU; the thread's work is GIL-free (gloo
-waits, ``read``/``write`` syscalls, ``zlib.crc32`` over large buffers). Every wait has a
+waits, ``read``/``write`` syscalls, CRC-32 over large buffers). Every wait has a
 deadline: the report wait the finalize deadline, the collectives the group timeout.
 """
 
@@ -34,7 +34,6 @@ import os
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from .._logging import get_logger
 from ..async_ckpt._dcp_run import discard_report, load_report
 from ..async_ckpt._dcp_write import FileRecord, WriteJob
 from ..errors import CheckpointingException, CheckpointTimeoutError, StorageError
+from ..local import _checksum
 from ..local.replication.group_utils import CliqueGroup
 from ..storage.posix import PosixBackend
 from ._layout import METADATA_NAME, prune_memory, remove_step
@@ -215,7 +215,7 @@ class Replicator:
             for record in records[member]:
                 piece = view[offset : offset + record.size]
                 offset += record.size
-                if zlib.crc32(piece) != record.crc32:
+                if _checksum.crc32(piece) != record.crc32:
                     raise StorageError(
                         f"replica of {record.name} from rank {member} arrived corrupt "
                         f"(CRC32 mismatch); step {save.step} is not committed"

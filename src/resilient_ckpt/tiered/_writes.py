@@ -30,14 +30,20 @@ import pickle
 import uuid
 from typing import Any
 
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._logging import get_logger
 from ..async_ckpt._dcp_run import run_write_job
 from ..async_ckpt._dcp_write import FileRecord, WriteBucket, WriteJob, write_file
 from ..async_ckpt.filesystem_async import FILE_TABLE_ATTR, FileSystemWriterAsync
-from ..errors import CheckpointWriteError
+from ..async_ckpt.state_dict_saver import save_state_dict_async_finalize
+from ..errors import CheckpointWriteError, ConfigurationError
+from ..storage import get_backend
+from ._layout import step_name
+from ._options import TieredOptions
 
 logger = get_logger(__name__)
 
@@ -149,3 +155,50 @@ def commit_metadata_bytes(
 def file_table(metadata: Any) -> dict[str, tuple[int, int]]:
     table = getattr(metadata, FILE_TABLE_ATTR, None) or {}
     return {name: (int(s), int(c)) for name, (s, c) in dict(table.get("files", {})).items()}
+
+
+def plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Top-level ``Stateful`` values replaced by their state dicts (as ``dcp.save`` does)."""
+    if not isinstance(state_dict, dict):
+        raise ConfigurationError(
+            f"state_dict must be a dict (what dcp.save takes), got {type(state_dict).__name__}"
+        )
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+
+
+def open_durable_writer(
+    durable_dir: str, step: int, rank: int, options: TieredOptions
+) -> DurableCopyWriter:
+    """Set up the durable step directory, before planning (no collective of its own).
+
+    The coordinator removes a stale ``.metadata`` of this step first, and planning's
+    collective that follows orders that before any rank's worker writes data files. A
+    set-up failure is kept, not raised: raising on one rank here would leave the others
+    in the planning collective; it fails the durable commit on every rank instead.
+    """
+    path = get_backend(durable_dir).join(durable_dir, step_name(step))
+    writer = DurableCopyWriter(
+        path,
+        single_file_per_rank=True,
+        sync_files=options.durable_sync,
+        thread_count=options.thread_count,
+    )
+    try:
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    except Exception as exc:
+        logger.error("cannot prepare durable step %d in %s: %r", step, path, exc)
+        writer.setup_error = exc
+    return writer
+
+
+def commit_durable(writer: DurableCopyWriter, metadata: Any, dist_wrapper: Any, step: int) -> None:
+    """Finalize the durable DCP save of ``step`` (its ``.metadata`` last); a failure on any
+    rank is a ``CheckpointWriteError`` on every rank and nothing is committed."""
+    try:
+        save_state_dict_async_finalize(writer, metadata, dist_wrapper)
+    except CheckpointException as exc:
+        raise CheckpointWriteError(
+            f"tiered save of step {step}: the durable write to {writer.checkpoint_dir!r} "
+            f"failed, not committed: {exc}",
+            path=str(writer.checkpoint_dir),
+        ) from exc

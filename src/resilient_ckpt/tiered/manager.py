@@ -60,7 +60,6 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import _dist
 from .._logging import get_logger
@@ -69,7 +68,6 @@ from ..async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from ..async_ckpt.filesystem_async import FileSystemWriterAsync
 from ..async_ckpt.state_dict_saver import (
     CheckpointMetadataCache,
-    save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
 from ..config import Timeouts, default_timeouts
@@ -83,12 +81,20 @@ from ..local.replication.group_utils import CliqueGroup, parse_group_sequence
 from ..local.replication.strategies import default_replication_jump
 from ..storage import get_backend
 from ..storage.retention import prune_checkpoints
-from ._layout import memory_step_dir, rank_dir, remove_step, step_name
+from ._layout import memory_step_dir, rank_dir, remove_step
 from ._loading import RestoreSteps, agreed
 from ._options import TieredOptions
 from ._phases import PhaseHook, TieredPhase
 from ._replicator import MemorySave, Replicator
-from ._writes import DurableCopyWriter, durable_job_of, split_save_function, write_tiers
+from ._writes import (
+    DurableCopyWriter,
+    commit_durable,
+    durable_job_of,
+    open_durable_writer,
+    plain_state,
+    split_save_function,
+    write_tiers,
+)
 
 logger = get_logger(__name__)
 
@@ -101,15 +107,6 @@ class _Pending:
     call_idx: int
     memory: MemorySave
     durable: bool
-
-
-def _plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Top-level ``Stateful`` values replaced by their state dicts (as ``dcp.save`` does)."""
-    if not isinstance(state_dict, dict):
-        raise ConfigurationError(
-            f"state_dict must be a dict (what dcp.save takes), got {type(state_dict).__name__}"
-        )
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 class TieredCheckpointManager(RestoreSteps):
@@ -250,9 +247,13 @@ class TieredCheckpointManager(RestoreSteps):
             thread_count=self.options.thread_count,
         )
         writer.align_items = True  # restores copy each tensor once, from the mapped file
-        durable_writer = self._durable_writer(step) if goes_durable else None
+        durable_writer = (
+            open_durable_writer(self.durable_dir, step, self.rank, self.options)
+            if goes_durable
+            else None
+        )
         _, metadata, dist_wrapper = save_state_dict_async_plan(
-            _plain_state(state_dict), writer, enable_cache=True, metadata_cache=self._cache
+            plain_state(state_dict), writer, enable_cache=True, metadata_cache=self._cache
         )
         memory_job, preload_fn, args = split_save_function(writer)
         finalize_fns: list[Callable[[], None]] = []
@@ -283,28 +284,6 @@ class TieredCheckpointManager(RestoreSteps):
         self.timings[step] = {"plan": planned - started, "stage": staged - planned}
         self._phase(TieredPhase.STAGED, step)
 
-    def _durable_writer(self, step: int) -> DurableCopyWriter:
-        """Set up the durable step directory, before planning (no collective of its own).
-
-        The coordinator removes a stale ``.metadata`` of this step first, and planning's
-        collective that follows orders that before any rank's worker writes data files. A
-        set-up failure is kept, not raised: raising on one rank here would leave the others
-        in the planning collective; it fails the durable commit on every rank instead.
-        """
-        path = get_backend(self.durable_dir).join(self.durable_dir, step_name(step))
-        writer = DurableCopyWriter(
-            path,
-            single_file_per_rank=True,
-            sync_files=self.options.durable_sync,
-            thread_count=self.options.thread_count,
-        )
-        try:
-            writer.set_up_storage_writer(self.rank == 0, rank=self.rank, use_collectives=True)
-        except Exception as exc:
-            logger.error("cannot prepare durable step %d in %s: %r", step, path, exc)
-            writer.setup_error = exc
-        return writer
-
     def _background_request(self, request: AsyncRequest) -> AsyncRequest:
         """Hook for the fault kit: the request the worker runs (unchanged here)."""
         return request
@@ -312,14 +291,7 @@ class TieredCheckpointManager(RestoreSteps):
     def _commit_durable(
         self, writer: DurableCopyWriter, metadata: Any, dist_wrapper: Any, step: int
     ) -> None:
-        try:
-            save_state_dict_async_finalize(writer, metadata, dist_wrapper)
-        except CheckpointException as exc:
-            raise CheckpointWriteError(
-                f"tiered save of step {step}: the durable write to {writer.checkpoint_dir!r} "
-                f"failed, not committed: {exc}",
-                path=str(writer.checkpoint_dir),
-            ) from exc
+        commit_durable(writer, metadata, dist_wrapper, step)
         self._phase(TieredPhase.DURABLE_COMMITTED, step)
         if self.rank == 0:
             prune_checkpoints(self.durable_dir, self.options.keep_durable)

@@ -44,6 +44,8 @@ import torch.distributed as dist
 from resilient_ckpt.testing import launch
 from resilient_ckpt.tiered import TieredCheckpointManager
 
+from .common import evict, raw_read
+
 TENSORS = 16
 DURABLE_EVERY = 2
 
@@ -77,26 +79,6 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def _files(root: str) -> list[str]:
     return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
-
-
-def _drop_from_page_cache(root: str) -> None:
-    """Make every file under ``root`` cold: flush it, then drop its cached pages."""
-    for path in _files(root):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _read_all(paths: Sequence[str]) -> int:
-    total = 0
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(8 << 20):
-                total += len(chunk)
-    return total
 
 
 def _memcpy_floor(state: dict[str, Any], repeats: int) -> float:
@@ -191,13 +173,14 @@ class _Run:
         if self.rank == 0:
             os.rename(self.memory, aside)
             os.makedirs(self.memory)
-            _drop_from_page_cache(self.durable)
+            evict(_files(self.durable))
         dist.barrier()  # no rank's manager may see the memory tier
         seconds = self.restore(step, "durable")
         if self.rank == 0:
-            _drop_from_page_cache(self.durable)
+            evict(_files(self.durable))
         mine = _files(self.durable)[self.rank :: self.world]
-        raw, nbytes = _timed(lambda: _read_all(mine))
+        raw, _ = _timed(lambda: raw_read(mine))
+        nbytes = sum(os.path.getsize(path) for path in mine)
         dist.barrier()
         if self.rank == 0:
             shutil.rmtree(self.memory)
