@@ -25,7 +25,7 @@ from ..errors import CheckpointingException, CorruptCheckpointError
 from ..storage import get_backend
 from ..storage.commit import COMMIT_RECORD
 from . import _restore
-from ._layout import purge_newer
+from ._layout import StepListing, purge_newer
 
 logger = get_logger(__name__)
 
@@ -85,7 +85,7 @@ class RestoreSteps:
                 record = self._shared_record(candidate, views)
                 reader = agreed(
                     f"preparing the restore of {candidate.tier} step {candidate.step}",
-                    functools.partial(self._reader, candidate, record),
+                    functools.partial(self._reader, candidate, record, views[self.rank].listings),
                 )
                 dcp.load(state_dict, storage_reader=reader)
             except (CheckpointException, CheckpointingException) as exc:
@@ -134,20 +134,21 @@ class RestoreSteps:
         (ranks on a replaced node have none of their own). None for durable steps."""
         if candidate.tier != _restore.MEMORY:
             return None
-        if not _dist.is_distributed():
-            return _restore.read_commit_record(self.memory_dir, candidate.step)
-        if all(candidate.step in view.tables for view in views):
+        mine = views[self.rank].listings
+        if not _dist.is_distributed() or all(candidate.step in v.tables for v in views):
             # Every rank read it while looking around: no broadcast needed.
-            return _restore.read_commit_record(self.memory_dir, candidate.step)
+            return _restore.read_commit_record(mine, candidate.step)
         holder = _restore.record_holder(views, candidate.step)
         payload: list[Any] = [None]
         if holder == self.rank:
-            payload[0] = _restore.read_commit_record(self.memory_dir, candidate.step)
+            payload[0] = _restore.read_commit_record(mine, candidate.step)
         if holder is not None:
             dist.broadcast_object_list(payload, src=holder, group=_dist.library_group())
         return payload[0]
 
-    def _reader(self, candidate: _restore.Candidate, record: bytes | None) -> Any:
+    def _reader(
+        self, candidate: _restore.Candidate, record: bytes | None, listings: list[StepListing]
+    ) -> Any:
         if candidate.tier == _restore.MEMORY:
             if record is None:
                 raise CorruptCheckpointError(
@@ -155,7 +156,9 @@ class RestoreSteps:
                     f"step {candidate.step}"
                 )
             group = _dist.library_group() if _dist.is_distributed() else None
-            return _restore.memory_reader(self.memory_dir, self.rank, candidate.step, record, group)
+            return _restore.memory_reader(
+                self.memory_dir, listings, self.rank, candidate.step, record, group
+            )
         return _restore.durable_reader(self.durable_dir, candidate.step)
 
     def _forget_newer(self, step: int) -> None:

@@ -120,9 +120,10 @@ def record_holder(views: list[RankView], step: int) -> int | None:
     return next((rank for rank, view in enumerate(views) if step in view.tables), None)
 
 
-def read_commit_record(memory_dir: str, step: int) -> bytes | None:
-    """The bytes of a readable commit record of memory step ``step`` on this node."""
-    for listing in scan_memory(memory_dir):
+def read_commit_record(listings: list[StepListing], step: int) -> bytes | None:
+    """The bytes of a readable commit record of memory step ``step`` among ``listings``
+    (this rank's view of its node)."""
+    for listing in listings:
         if listing.step == step and listing.committed:
             path = os.path.join(listing.path, METADATA_NAME)
             try:
@@ -136,18 +137,24 @@ def read_commit_record(memory_dir: str, step: int) -> bytes | None:
 
 
 def memory_reader(
-    memory_dir: str, rank: int, step: int, record: bytes, group: Any
+    memory_dir: str,
+    listings: list[StepListing],
+    rank: int,
+    step: int,
+    record: bytes,
+    group: Any,
 ) -> VerifyingReader:
     """A reader of memory step ``step`` (its commit record ``record``, as shared by the rank
-    that read it) from the copies this rank can reach (own first); the rest come from
-    other ranks over ``group`` when the load runs (``_fetch``)."""
+    that read it) from the copies in ``listings`` (this rank's view, own first); the rest
+    come from other ranks over ``group`` when the load runs (``_fetch``)."""
     table = file_table(pickle.loads(record))
     if not table:
         raise CorruptCheckpointError(
             f"rank {rank}: the commit record of memory step {step} has no file table"
         )
-    listings = [s for s in scan_memory(memory_dir) if s.step == step]
-    listings.sort(key=lambda s: (s.owner != rank, s.owner))
+    listings = sorted(
+        (s for s in listings if s.step == step), key=lambda s: (s.owner != rank, s.owner)
+    )
     locations: dict[str, list[str]] = {}
     for listing in listings:
         for name in listing.files:
