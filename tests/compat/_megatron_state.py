@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from typing import Any
 
+import pytest
 import torch
+
+# The marks of both Megatron test modules: multi-process, bounded, megatron-core installed.
+MEGATRON_MARKS = [
+    pytest.mark.dist,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None,
+        reason="megatron-core is not installed (make venv installs the 'megatron' extra)",
+    ),
+]
 
 
 def full_tensors() -> dict[str, torch.Tensor]:

@@ -30,7 +30,6 @@ of the save.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -41,6 +40,7 @@ from resilient_ckpt.config import NVRX_ALIAS_ENV
 from resilient_ckpt.testing.launcher import launch
 
 from ._megatron_state import (
+    MEGATRON_MARKS,
     change_in_place,
     check_loaded,
     full_tensors,
@@ -49,14 +49,7 @@ from ._megatron_state import (
     sharded_state,
 )
 
-pytestmark = [
-    pytest.mark.dist,
-    pytest.mark.timeout(240),
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None,
-        reason="megatron-core is not installed (make venv installs the 'megatron' extra)",
-    ),
-]
+pytestmark = MEGATRON_MARKS
 
 
 def _save_async(queue: Any, state: dict[str, Any], ckpt_dir: str, strategy: Any) -> None:

@@ -17,7 +17,6 @@ finds the iteration complete and loads rank 1's shard from the replica on rank 0
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 from typing import Any
@@ -29,6 +28,7 @@ from resilient_ckpt.config import NVRX_ALIAS_ENV
 from resilient_ckpt.testing.launcher import launch
 
 from ._megatron_state import (
+    MEGATRON_MARKS,
     change_in_place,
     check_loaded,
     full_tensors,
@@ -37,14 +37,7 @@ from ._megatron_state import (
     sharded_state,
 )
 
-pytestmark = [
-    pytest.mark.dist,
-    pytest.mark.timeout(240),
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None,
-        reason="megatron-core is not installed (make venv installs the 'megatron' extra)",
-    ),
-]
+pytestmark = MEGATRON_MARKS
 
 
 def _manager(root: str) -> Any:
