@@ -321,3 +321,34 @@ def test_local_flow_reuses_the_shard_layout_and_saves_every_change(tmp_path) -> 
                 assert str(got["lr"]) == "-0.0"
     finally:
         queue.close()
+
+
+@pytest.mark.timeout(120)
+def test_warmup_primes_the_staging_cache_for_the_state_it_is_given(tmp_path) -> None:
+    for warm_state, hit in (("same", True), ("other", False)):
+        ckpt = TorchAsyncCheckpoint()
+        try:
+            state = _state()
+            ckpt.warmup(state if warm_state == "same" else {"x": torch.ones(3)})
+            cache = ckpt.queue.persistent_caller.stage_cache
+            assert (cache.hits, cache.misses) == (0, 0)  # a warm-up saves nothing
+            state["w0"].add_(1)  # values change after the warm-up
+            expected = _expected(state)
+            ckpt.async_save(state, str(tmp_path / f"{warm_state}.pt"))
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.data.add_(100)
+            ckpt.finalize_async_save(blocking=True)
+            assert (cache.hits, cache.misses) == (int(hit), int(not hit)), warm_state
+            _same(expected, torch.load(tmp_path / f"{warm_state}.pt"))
+        finally:
+            ckpt.close()
+
+
+def test_local_warmup_needs_a_tensor_aware_state_dict(tmp_path) -> None:
+    from resilient_ckpt.errors import ConfigurationError
+    from resilient_ckpt.local import LocalCheckpointManager
+
+    manager = LocalCheckpointManager(str(tmp_path), "s")
+    with pytest.raises(ConfigurationError, match="BasicTensorAwareStateDict"):
+        manager.warmup({"w": torch.ones(2)})  # type: ignore[arg-type]

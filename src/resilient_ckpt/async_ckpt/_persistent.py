@@ -30,7 +30,7 @@ from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
 from ._stage_cache import StageCache
-from ._staging import StagedRequest, stage, tensor_nbytes
+from ._staging import StagedRequest, prime, stage
 
 logger = get_logger(__name__)
 
@@ -176,10 +176,15 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
 
     def warmup(self, state: Any = None, *, nbytes: int | None = None) -> None:
         """Start the worker, the copy threads and an arena sized for ``state``'s tensors
-        (or ``nbytes``), pre-faulted and attached, so the first save costs a steady one."""
+        (or ``nbytes``), pre-faulted and attached, and prime the staging cache with
+        ``state``'s layout, so the first save costs a steady one."""
         self.start(wait_ready=False)
         warm_threads(self.copy_threads)
-        size = nbytes if nbytes is not None else (tensor_nbytes(state) if state is not None else 0)
+        size = 0
+        if state is not None:
+            size = prime(state, self.stage_cache, self.copy_threads)
+        if nbytes is not None:
+            size = nbytes
         self._handshake()
         if size <= 0:
             return

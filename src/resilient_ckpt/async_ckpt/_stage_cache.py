@@ -118,12 +118,15 @@ class StageCache:
         host: list[Segment],
         total: int,
         threads: int,
+        *,
+        counted: bool = True,
     ) -> None:
         """After a full staging: keep what the next save of this layout can reuse.
 
         ``host``: the copy ranges with destinations relative to the arena's start.
+        ``counted``: a save missed the cache (False for a warm-up, which saves nothing).
         """
-        self.misses += 1
+        self.misses += int(counted)
         if not reusable or len(reduced) != len(tensors):
             self.clear()
             return

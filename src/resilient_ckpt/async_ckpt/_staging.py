@@ -212,12 +212,6 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
     return payload, collector
 
 
-def pickle_with_descriptors(obj: Any, what: str) -> tuple[bytes, list[_PendingSlot]]:
-    """Pickle ``obj`` with tensors replaced by descriptors; name ``what`` on failure."""
-    payload, collector = collect_descriptors(obj, what)
-    return payload, collector.slots
-
-
 def _layout(slots: list[_PendingSlot]) -> int:
     offset = 0
     for slot in slots:
@@ -296,10 +290,7 @@ def stage(
     total = _layout(pending)
     slots: tuple[Slot, ...] = tuple((p.offset, p.nbytes) for p in pending)
     if cache is not None:
-        host = [(p.offset, p.storage.data_ptr(), p.nbytes) for p in pending if p.nbytes]
-        cache.remember(
-            collector.tensors, collector.reduced, collector.reusable, slots, host, total, threads
-        )
+        _remember(cache, collector, slots, total, threads)
     if not pending:
         return StagedRequest(payload, None, (), 0)
     arena = pool.acquire(total, wait_for_release)
@@ -311,7 +302,38 @@ def stage(
     return StagedRequest(payload, arena, slots, total, job if overlap else None)
 
 
-def tensor_nbytes(obj: Any, what: str = "the state") -> int:
-    """Arena bytes ``obj``'s tensors need when staged (for pre-sizing an arena)."""
-    _, pending = pickle_with_descriptors(obj, what)
-    return _layout(pending)
+def _remember(
+    cache: StageCache,
+    collector: _Collector,
+    slots: tuple[Slot, ...],
+    total: int,
+    threads: int,
+    *,
+    counted: bool = True,
+) -> None:
+    host = [(p.offset, p.storage.data_ptr(), p.nbytes) for p in collector.slots if p.nbytes]
+    cache.remember(
+        collector.tensors,
+        collector.reduced,
+        collector.reusable,
+        slots,
+        host,
+        total,
+        threads,
+        counted=counted,
+    )
+
+
+def prime(obj: Any, cache: StageCache, threads: int, what: str = "the warm-up state") -> int:
+    """Fill ``cache`` as a full staging of ``obj`` would, copying nothing; the arena bytes
+    ``obj`` needs.
+
+    A later request that meets the same tensors, laid out alike and in the same order (e.g.
+    the warm-up state inside the request that saves it), is then staged by the fast path
+    from its first save on. Any other request simply misses (see :mod:`._stage_cache`).
+    """
+    _, collector = collect_descriptors(obj, what)
+    total = _layout(collector.slots)
+    slots: tuple[Slot, ...] = tuple((p.offset, p.nbytes) for p in collector.slots)
+    _remember(cache, collector, slots, total, threads, counted=False)
+    return total

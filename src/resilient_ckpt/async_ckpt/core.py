@@ -152,9 +152,11 @@ class AsyncCallsQueue:
     def warmup(self, state_dict: Any = None, *, nbytes: int | None = None) -> None:
         """Make the first save as cheap as a steady one (persistent queues; else a no-op).
 
-        Starts the worker and the copy threads, and allocates, pre-faults and hands to the
-        worker a staging arena sized for ``state_dict``'s tensors (or ``nbytes``). Pass the
-        object your saves will stage (e.g. the state dict), on every rank.
+        Starts the worker and the copy threads, allocates, pre-faults and hands to the
+        worker a staging arena sized for ``state_dict``'s tensors (or ``nbytes``), and
+        primes the staging cache with their layout: a first request meeting the same
+        tensors in the same order is staged by the steady-state path. Pass the object your
+        saves will stage (e.g. the state dict), on every rank.
         """
         caller = self._get_async_caller()
         if isinstance(caller, PersistentAsyncCaller):

@@ -14,8 +14,9 @@ For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) 
   pinned memory, no non-blocking copies: CPU);
 * the overlapped modes (``overlap_staging=True``): the save call alone, and the later
   ``wait_for_snapshot``;
-* the first save after the documented warm-up (fresh objects; ``warmup(state)``, and
-  :func:`resilient_ckpt.async_ckpt.warmup.warmup_async_save` for DCP) against the
+* the first save after the documented warm-up (fresh objects; ``warmup(state)``,
+  :func:`resilient_ckpt.async_ckpt.warmup.warmup_async_save` for DCP,
+  ``LocalCheckpointManager.warmup(state, queue)`` for local saves) against the
   steady-state median.
 
 DCP states are DTensor shards (every rank writes its own bytes); the other flows save the
@@ -114,7 +115,7 @@ class _Flows:
         from ..async_ckpt.state_dict_saver import CheckpointMetadataCache
         from ..async_ckpt.torch_ckpt import TorchAsyncCheckpoint
         from ..async_ckpt.warmup import warmup_async_save
-        from ..local import LocalCheckpointManager
+        from ..local import BasicTensorAwareStateDict, LocalCheckpointManager
 
         nbytes, tensors = SHAPES[shape]
         self.rank, self.cfg = rank, cfg
@@ -133,8 +134,8 @@ class _Flows:
         warmup_async_save(self.sharded, self.queue, metadata_cache=self.cache, thread_count=2)
         self.first["ours DCP"] = self.ours_dcp(overlap=False)["stall"]
         self.local_queue = AsyncCallsQueue()
-        self.local_queue.warmup(self.local)
         self.manager = LocalCheckpointManager(os.path.join(self.dir, "local"), "bench")
+        self.manager.warmup(BasicTensorAwareStateDict(self.local), self.local_queue)
         self.first["ours local"] = self.ours_local()["stall"]
         self.stager = DefaultStager(
             StagingOptions(

@@ -79,11 +79,12 @@ class PickledOnce(list):
     """A list that is never changed, pickled once: the records of a cached layout travel in
     every save's request, and pickling 2000 record dataclasses costs ~3 ms each time."""
 
-    _payload: bytes | None = None
+    def __init__(self, items: Any) -> None:
+        super().__init__(items)
+        # Now, while the save that planned the layout pays for planning anyway.
+        self._payload = pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        if self._payload is None:
-            self._payload = pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
         return _unpickle_list, (self._payload,)
 
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from ... import _dist
 from ..._logging import get_logger
-from ...async_ckpt.core import AsyncRequest
+from ...async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from ...config import default_timeouts
 from ...errors import (
     CheckpointingException,
@@ -115,6 +116,37 @@ class SaveSteps(ManagerBase):
         finalize()
         logger.info("local checkpoint %d saved in %.3fs", iteration, time.perf_counter() - started)
         return None
+
+    def warmup(
+        self, state_dict: TensorAwareStateDict, queue: AsyncCallsQueue | None = None
+    ) -> None:
+        """Prepare this rank for saving ``state_dict``'s structure, so the first save costs
+        what a steady one does; writes nothing. Collective, like ``save``: every rank calls
+        it (it creates the library's process group the saves agree on).
+
+        Lays the shard out (cached: the next save of this structure reuses it) and, for
+        replicated saves, pre-faults the snapshot buffer. With ``queue`` (the one the async
+        saves are scheduled on) it also starts its worker and copy threads, pre-faults an
+        arena for the shard's tensors and primes its staging cache with them.
+        """
+        if not isinstance(state_dict, TensorAwareStateDict):
+            raise ConfigurationError(
+                f"warmup() needs a TensorAwareStateDict, got {type(state_dict).__name__}; "
+                "wrap a plain state dict in BasicTensorAwareStateDict"
+            )
+        if _dist.is_distributed():
+            _dist.library_group()
+        layout = self._shard_cache.plan(state_dict, plan_shard)
+        if self.repl_strategy is not None:
+            if clique_for_background(self.repl_strategy) is not None:
+                buffer = self._background.acquire(layout.size, default_timeouts().finalize)
+                buffer.fill_(0)  # first touch now, not during the first snapshot
+                self._background.release(buffer)
+            if queue is not None:
+                queue.warmup()  # the request stages received shards, unknown until then
+        elif queue is not None:
+            # What an unreplicated async save stages: the layout's tensors, in order.
+            queue.warmup([layout])
 
     def _save_now(self, layout: ShardLayout, my_id: CkptID) -> None:
         """Replicate (if configured) and write every copy, agreed across ranks."""
