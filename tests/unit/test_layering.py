@@ -38,6 +38,7 @@ LAYER_OF = {
     "config": BASE,
     "_logging": BASE,
     "_dist": BASE,
+    "_checksum": BASE,
     "utils": BASE,
     "storage": STORAGE,
     "async_ckpt": ASYNC,

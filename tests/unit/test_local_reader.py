@@ -8,8 +8,9 @@ import zlib
 import pytest
 import torch
 
+from resilient_ckpt import _checksum
 from resilient_ckpt.errors import ConfigurationError, CorruptCheckpointError
-from resilient_ckpt.local import _checksum, _reader
+from resilient_ckpt.local import _reader
 
 
 def _write(path, data: bytes) -> tuple[int, int]:

@@ -12,11 +12,11 @@ All reads go through the storage backend, so this works wherever the writer can 
 from __future__ import annotations
 
 import pickle
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._checksum import crc32
 from ..errors import CorruptCheckpointError, StorageError
 from ..storage import StorageBackend, get_backend
 from ..storage.commit import RecordCommit
@@ -60,7 +60,7 @@ def _crc32(
     crc, size = 0, 0
     with backend.open_read(path) as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
             if progress is not None:
                 progress(len(chunk))

@@ -34,9 +34,9 @@ from typing import IO, Any
 
 import torch
 
+from .._checksum import CrcPipe, crc32
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
-from ._checksum import CrcPipe, crc32
 from ._reader import check_against_manifest as check_against_manifest  # (re-exported:
 from ._reader import read_verified as read_verified  # verified reading lives in ._reader)
 from ._whole import WholeObject, snapshot_whole

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from .. import _checksum
 from ..config import local_load_mmap
 from ..errors import CorruptCheckpointError
-from . import _checksum
 
 __all__ = ["check_against_manifest", "read_verified"]
 

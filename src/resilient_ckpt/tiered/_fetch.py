@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .. import _checksum
 from .._logging import get_logger
 from ..errors import CorruptCheckpointError
-from ..local import _checksum
 
 if TYPE_CHECKING:
     from ._reader import LocatingFileSystem

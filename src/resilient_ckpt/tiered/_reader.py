@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from .. import _checksum
 from .._logging import get_logger
 from ..async_ckpt._item_reader import byte_view, read_items
 from ..errors import CorruptCheckpointError, StorageError
-from ..local import _checksum
 from ..local._reader import check_against_manifest, read_verified
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ._fetch import exchange_missing

@@ -42,12 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _dist
+from .. import _checksum, _dist
 from .._logging import get_logger
 from ..async_ckpt._dcp_run import discard_report, load_report
 from ..async_ckpt._dcp_write import FileRecord, WriteJob
 from ..errors import CheckpointingException, CheckpointTimeoutError, StorageError
-from ..local import _checksum
 from ..local.replication.group_utils import CliqueGroup
 from ..storage.posix import PosixBackend
 from ._layout import METADATA_NAME, prune_memory, remove_step

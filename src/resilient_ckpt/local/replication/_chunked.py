@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..._checksum import crc32
 from ...errors import CheckpointingException
-from .._checksum import crc32
 
 __all__ = ["CHUNK_BYTES", "IncomingBuffer", "release_reserved", "reserve", "send_buffer"]
 

@@ -1,13 +1,14 @@
-"""CRC-32 of shard bytes, with the fastest implementation that is installed.
+"""CRC-32 of checkpoint bytes, with the fastest implementation that is installed.
 
-Every local checkpoint byte is checksummed when it is written, read or received, so the
-CRC's speed bounds the speed of a load: ``zlib.crc32`` (the standard library; zlib 1.2.x
-computes about 1 byte per cycle) is slower than a disk read of the same bytes on a fast
-SSD or from the host's cache. ISA-L (``isal``) and zlib-ng compute the *same* CRC-32
-(polynomial, initial value and final xor of zlib's) with carry-less multiplication, several
-times faster, and release the GIL like zlib. Whichever is importable is used (ISA-L first);
-checkpoints written with one verify with any other, so installing or removing the optional
-``fast`` extra never invalidates a checkpoint.
+Every local and tiered checkpoint byte is checksummed when it is written, read or received,
+and every async DCP data file while it is written and when ``verify`` reads it, so the
+CRC's speed bounds the speed of those loads and writes: ``zlib.crc32`` (the standard
+library; zlib 1.2.x computes about 1 byte per cycle) is slower than a disk read of the same
+bytes on a fast SSD or from the host's cache. ISA-L (``isal``) and zlib-ng compute the
+*same* CRC-32 (polynomial, initial value and final xor of zlib's) with carry-less
+multiplication, several times faster, and release the GIL like zlib. Whichever is
+importable is used (ISA-L first); checkpoints written with one verify with any other, so
+installing or removing the optional ``fast`` extra never invalidates a checkpoint.
 
 The choice is made once, at import: a library must not switch implementations between the
 write and the check of one file for no reason a user could see.
