@@ -41,7 +41,10 @@ def bench_defaults(name: str, quick: bool) -> list[str]:
     if not quick:
         return []  # the benchmark's own defaults
     if name == "stall":
-        return ["--ranks", "2", "--reps", "3", "--warmups", "1", "--memory-saves", "10"]
+        return [
+            *("--ranks", "2", "--reps", "3", "--warmups", "1"),
+            *("--memory-saves", "10", "--first-trials", "1"),
+        ]
     if name == "local_ckpt":
         return ["--ranks", "2", "--size-mib", "32", "--repeats", "3"]
     if name == "dcp_load":
