@@ -17,7 +17,7 @@ from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
     clear_metadata_cache,
 )
-from resilient_ckpt.async_ckpt.core import AsyncRequest
+from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
     CheckpointMetadataCache,
@@ -79,8 +79,14 @@ def _assert_same(a: dict, b: dict) -> None:
             assert value == b[key], key
 
 
+def _with_autograd_leaves(state: dict) -> dict:
+    state["param"] = torch.nn.Parameter(torch.full((5,), 4.0))
+    state["grad_leaf"] = torch.full((6,), 5.0, requires_grad=True)
+    return state
+
+
 def test_round_trip_and_byte_identical_to_torch_writer(tmp_path) -> None:
-    state = _state()
+    state = _with_autograd_leaves(_state())
     state["view"] = torch.arange(100.0)[10:30]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -92,6 +98,36 @@ def test_round_trip_and_byte_identical_to_torch_writer(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path / "ours")) == [".metadata", "__0_0.distcp"]
     report = verify_checkpoint(str(tmp_path / "ours"))
     assert report.checksummed and report.files == {"__0_0.distcp": len(ours)}
+
+
+@pytest.mark.timeout(120)
+def test_staged_saves_are_byte_identical_to_torch_writer(tmp_path) -> None:
+    """Through the worker (staged; the second save takes the steady-state paths, which hand
+    plain tensors over without detaching them), plain tensors, Parameters and tensors
+    requiring grad are written as torch's writer does."""
+    state = _with_autograd_leaves(_state())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ref")))
+    reference = (tmp_path / "ref" / "__0_0.distcp").read_bytes()
+    queue = AsyncCallsQueue()
+    cache = CheckpointMetadataCache()
+    try:
+        for n in range(2):
+            writer = FileSystemWriterAsync(str(tmp_path / f"ours{n}"), thread_count=1)
+            plan_ret = save_state_dict_async_plan(
+                state, writer, enable_cache=True, metadata_cache=cache
+            )
+            save_fn, preload_fn, args = writer.get_save_function_and_args()
+            finalize = [lambda r=plan_ret: save_state_dict_async_finalize(*r)]
+            queue.schedule_async_request(
+                AsyncRequest(save_fn, args, finalize, preload_fn=preload_fn)
+            )
+            queue.maybe_finalize_async_calls(blocking=True)
+            assert (tmp_path / f"ours{n}" / "__0_0.distcp").read_bytes() == reference, n
+        assert queue.persistent_caller.stage_cache.hits == 1
+    finally:
+        queue.close()
 
 
 class _BarrierWriter(FileSystemWriterAsync):
