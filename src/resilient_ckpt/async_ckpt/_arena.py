@@ -172,6 +172,11 @@ class ArenaPool:
         logger.debug("created staging arena %d (%d bytes)", arena.arena_id, arena.nbytes)
         return arena
 
+    def has_room(self) -> bool:
+        """Whether :meth:`acquire` can return without waiting for a release."""
+        with self._lock:
+            return bool(self.free) or len(self.busy) < self.max_arenas
+
     def live_ids(self) -> set[int]:
         """Ids of the arenas that exist (free or busy); others were closed or replaced."""
         with self._lock:

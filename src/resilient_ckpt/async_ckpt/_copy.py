@@ -118,10 +118,11 @@ def _run(segments: Sequence[Segment], base: int = 0) -> None:
         move(base + dst, src, n)
 
 
-class _Pool:
-    """A process-wide pool of copy threads, grown on demand, recreated after a fork."""
+class ThreadPool:
+    """A process-wide pool of threads, grown on demand, recreated after a fork."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._size = 0
@@ -134,7 +135,7 @@ class _Pool:
             if self._executor is None or self._size < size:
                 old = self._executor
                 self._executor = ThreadPoolExecutor(
-                    max_workers=size, thread_name_prefix="resilient_ckpt-copy"
+                    max_workers=size, thread_name_prefix=self._prefix
                 )
                 self._size = size
                 if old is not None:
@@ -145,7 +146,7 @@ class _Pool:
             return self._executor
 
 
-_POOL = _Pool()
+_POOL = ThreadPool("resilient_ckpt-copy")
 
 
 def warm_threads(threads: int) -> None:

@@ -10,6 +10,7 @@ worker.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from multiprocessing.connection import wait
@@ -29,10 +30,15 @@ from ._copy import check_copy_threads, warm_threads
 from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
+from ._snapshot import PendingSnapshot, stages_in_background
 from ._stage_cache import StageCache
 from ._staging import StagedRequest, prime, stage
 
 logger = get_logger(__name__)
+
+
+def _no_wait() -> bool:
+    return False
 
 
 class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
@@ -52,7 +58,7 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
     ) -> None:
         super().__init__(timeouts)
         self.copy_threads = check_copy_threads(copy_threads)
-        self._snapshot: tuple[int, StagedRequest] | None = None
+        self._snapshot: PendingSnapshot | None = None
         options = WorkerOptions(is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode)
         self.is_daemon = options.is_daemon
         self.cpu_priority = options.cpu_priority
@@ -80,16 +86,17 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
     ) -> None:
         """Stage ``async_req`` and hand it to the worker.
 
-        With ``overlap_staging`` the copy runs on the copy threads after this returns; the
-        request reaches the worker at :meth:`wait_for_snapshot` (called implicitly by every
-        other method of this caller, so it is never lost).
+        With ``overlap_staging`` the snapshot completes after this returns (see
+        :mod:`._snapshot`); the request reaches the worker at :meth:`wait_for_snapshot`
+        (called implicitly by every other method of this caller, so it is never lost).
         """
-        self.wait_for_snapshot()
+        self._settle_snapshot()
         self._drain()
         self.start(wait_ready=False)
         call_idx = async_req.call_idx
         started = time.perf_counter()
-        staged = stage(
+        stage_request = functools.partial(
+            stage,
             (
                 async_req.async_fn,
                 tuple(async_req.async_fn_args),
@@ -97,45 +104,79 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
                 async_req.preload_fn,
             ),
             self._pool,
-            self._wait_for_release,
+            wait_for_release=self._wait_for_release,
             what=f"async request {call_idx}",
             threads=self.copy_threads,
             overlap=overlap_staging,
             cache=self.stage_cache,
         )
+        if overlap_staging and stages_in_background():
+            self._reserve_arena_room()
+            # In the background nothing may wait for an arena (see _snapshot): there is room.
+            background = functools.partial(stage_request, wait_for_release=_no_wait, overlap=False)
+            self._inflight[call_idx] = None
+            self._unfinalized.append(call_idx)
+            self.timings[call_idx] = {"stage": 0.0, "bytes": 0.0}
+            self._snapshot = PendingSnapshot(call_idx, stage=background)
+            return
+        staged = stage_request()
         stage_s = time.perf_counter() - started
         self._inflight[call_idx] = staged.arena.arena_id if staged.arena is not None else None
         self._unfinalized.append(call_idx)
         self.timings[call_idx] = {"stage": stage_s, "bytes": float(staged.nbytes)}
         if staged.copy is not None:
-            self._snapshot = (call_idx, staged)
+            self._snapshot = PendingSnapshot(call_idx, staged=staged)
             return
         self._submit(call_idx, staged)
         logger.debug("staged async request %d: %d bytes in %.4fs", call_idx, staged.nbytes, stage_s)
 
+    def _reserve_arena_room(self) -> None:
+        """Wait (here, in the trainer's thread) until the pool can hand out an arena."""
+        while not self._pool.has_room():
+            if not self._wait_for_release():
+                raise CheckpointTimeoutError(
+                    f"rank {self.rank}: all {self._pool.max_arenas} staging arenas stayed busy "
+                    "past the deadline; earlier requests are still being written"
+                )
+
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
-        """Block until the pending overlapped snapshot is fully copied, then submit it.
+        """Block until the pending overlapped snapshot is complete, then submit it.
 
         Call it before anything changes the saved tensors (before ``optimizer.step()``).
-        A no-op when no overlapped copy is pending.
+        A no-op when no overlapped snapshot is pending.
         """
         pending, self._snapshot = self._snapshot, None
         if pending is None:
             return
-        call_idx, staged = pending
+        call_idx = pending.call_idx
         started = time.perf_counter()
         try:
-            if staged.copy is not None:
-                staged.copy.wait(timeout if timeout is not None else self.timeouts.finalize)
-        except BaseException:
+            staged, staging_s = pending.wait(
+                timeout if timeout is not None else self.timeouts.finalize
+            )
+        except BaseException as exc:
+            # Failed here; finalizing the call reports it on every rank, as a worker's error.
             self._inflight.pop(call_idx, None)
-            if call_idx in self._unfinalized:
-                self._unfinalized.remove(call_idx)
-            if staged.arena is not None:
-                self._pool.release(staged.arena.arena_id)
+            self._status[call_idx] = LocalStatus(State.FAILED, exc)
+            pending.abandon(self._pool.release)
             raise
-        self.timings[call_idx]["snapshot_wait"] = time.perf_counter() - started
+        timings = self.timings[call_idx]
+        timings["snapshot_wait"] = time.perf_counter() - started
+        if staging_s is not None:
+            timings.update(stage=staging_s, bytes=float(staged.nbytes))
+            self._inflight[call_idx] = staged.arena.arena_id if staged.arena is not None else None
         self._submit(call_idx, staged)
+
+    def _settle_snapshot(self) -> None:
+        """The implicit :meth:`wait_for_snapshot` of every other method: a failed snapshot
+        is recorded as its call's failure, which finalizing reports on every rank; raising
+        here could leave this rank out of a collective the others entered."""
+        if self._snapshot is None:
+            return
+        try:
+            self.wait_for_snapshot()
+        except Exception as exc:
+            logger.error("rank %s: overlapped snapshot failed: %s", self.rank, exc)
 
     def _submit(self, call_idx: int, staged: StagedRequest) -> None:
         """Attach the arena (first use) and send the ``Submit``; undo on failure."""
@@ -178,6 +219,7 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
         """Start the worker, the copy threads and an arena sized for ``state``'s tensors
         (or ``nbytes``), pre-faulted and attached, and prime the staging cache with
         ``state``'s layout, so the first save costs a steady one."""
+        self._settle_snapshot()
         self.start(wait_ready=False)
         warm_threads(self.copy_threads)
         size = 0
@@ -234,8 +276,7 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
 
     def _drain(self) -> None:
         """Read every message that has arrived; notice a dead worker."""
-        if self._snapshot is not None:
-            self.wait_for_snapshot()
+        self._settle_snapshot()
         channel = self._channel
         if channel is None or not self._ready:
             if self.process is not None and self.process.exitcode is not None:
@@ -283,15 +324,10 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
         """Stop the worker: drain (unless ``abort``), then SIGTERM, then SIGKILL."""
         if self._snapshot is not None:
             if abort:
-                _, staged = self._snapshot
-                self._snapshot = None
-                if staged.copy is not None:
-                    try:
-                        staged.copy.wait(self.timeouts.shutdown)
-                    except Exception as exc:
-                        logger.debug("overlapped copy failed during abort: %r", exc)
+                pending, self._snapshot = self._snapshot, None
+                pending.abandon(self._pool.release, self.timeouts.shutdown)
             else:
-                self.wait_for_snapshot()
+                self._settle_snapshot()
         dropped = [i for i in self._inflight if i not in self._status]
         proc = self.process
         if proc is not None:

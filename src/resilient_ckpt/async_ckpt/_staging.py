@@ -14,7 +14,8 @@ not one per pickled object (a ``persistent_id`` method is called for every objec
 DCP write item). Tensors are grouped by *storage*, so views and tied weights stay shared
 exactly as ``torch.save`` would see them. The slots are laid out in the arena and filled
 by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for CUDA), synchronously
-or, in overlapped mode, in the background until ``wait_for_snapshot``. In the worker,
+or, in overlapped mode, in the background until ``wait_for_snapshot`` (where, in a CPU-only
+process, the whole of :func:`stage` runs on a background thread: :mod:`._snapshot`). In the worker,
 unpickling rebuilds each descriptor as a tensor whose storage is exactly its slot.
 
 Alternatives rejected:
