@@ -89,3 +89,39 @@ def _job(rank: int, world: int, root: str) -> list[bool]:
 def test_overlapped_saves_hold_the_values_of_the_call_on_every_rank(tmp_path) -> None:
     results = launch(_job, 2, str(tmp_path), timeout=200)
     assert results == [[True, True, True], [True, True, True]]
+
+
+def _save_pt(path: str, state: dict) -> None:
+    torch.save(state, path)
+
+
+def _one_rank_cannot_stage(rank: int, world: int, root: str) -> tuple[str, str]:
+    import threading
+
+    queue = AsyncCallsQueue()
+    try:
+        state: dict = {"w": torch.full((16,), float(rank))}
+        if rank == 1:
+            state["lock"] = threading.Lock()  # cannot be pickled: its staging fails
+        path = os.path.join(root, f"r{rank}.pt")
+        queue.schedule_async_request(AsyncRequest(_save_pt, (path, state), []), overlap_staging=True)
+        try:
+            queue.maybe_finalize_async_calls(blocking=True)
+        except Exception as exc:
+            failed = (type(exc).__name__, str(exc))
+        else:
+            failed = ("", "")
+        # The queue goes on: the next save, staged fine everywhere, completes everywhere.
+        state.pop("lock", None)
+        queue.schedule_async_request(AsyncRequest(_save_pt, (path, state), []), overlap_staging=True)
+        queue.maybe_finalize_async_calls(blocking=True)
+        return failed
+    finally:
+        queue.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_staging_failure_on_one_rank_is_an_error_on_every_rank(tmp_path) -> None:
+    for rank, (kind, message) in enumerate(launch(_one_rank_cannot_stage, 2, str(tmp_path))):
+        assert kind, f"rank {rank}: finalizing did not report rank 1's failed staging"
+        assert "rank(s) [1]" in message and "cannot be sent" in message, (rank, message)
