@@ -3,8 +3,9 @@
 Decision: a save is planned once (DCP planner, cached plan) for a writer pointed at this
 rank's memory-tier step directory, and scheduled as *one* ``AsyncRequest`` whose tensors
 the persistent worker's queue stages once into its shared-memory arena. The worker then
-runs :func:`write_tiers`: the memory-tier files first, then, on a durable save, the same
-staged buckets again into the durable step directory. So a save that also goes durable
+runs :func:`write_tiers`: the memory-tier files and, on a durable save, the same staged
+buckets into the durable step directory, concurrently (the memory write is not delayed by
+the slower durable one, nor the durable one by it). So a save that also goes durable
 stalls the trainer exactly as long as a memory-only one: the durable write is more
 background work, not another snapshot.
 
@@ -15,7 +16,7 @@ and for the page cache.
 
 Each tier's write reports through its own results file (see ``async_ckpt._dcp_write``),
 so the memory tier is committed as soon as its report exists, without waiting for the
-durable write that follows in the same call. A memory-tier failure (the RAM tier full)
+durable write running beside it in the same call. A memory-tier failure (the RAM tier full)
 is recorded in its report and never stops the durable write; if even the report cannot
 be stored, the failure is logged and the trainer sees "call finished, no memory report",
 which it treats as a failed memory write.
@@ -27,6 +28,7 @@ import copy
 import dataclasses
 import functools
 import pickle
+import threading
 import uuid
 from typing import Any
 
@@ -54,26 +56,47 @@ def write_tiers(
     rank: int,
     buckets: list[WriteBucket],
 ) -> None:
-    """Worker entry point: write ``buckets`` to the memory tier, then to the durable tier."""
+    """Worker entry point: write ``buckets`` to the memory tier and, at the same time, to
+    the durable tier (both read the same staged bytes; neither waits for the other)."""
+    if durable_job is None:
+        if memory_job is not None:
+            _write_memory_tier(memory_job, rank, buckets, durable=False)
+        return
+    memory_thread: threading.Thread | None = None
     if memory_job is not None:
-        try:
-            run_write_job(memory_job, buckets, functools.partial(write_file, memory_job))
-        except Exception as exc:
-            # Could not even record the outcome (tier full). Without a durable copy to write,
-            # fail the call: its error (the ENOSPC) then reaches every rank. Otherwise the
-            # durable copy must still be written; the trainer notices the missing report
-            # once this call ends.
-            if durable_job is None:
-                raise
-            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            logger.error("memory tier write of rank %d left no report: %s", rank, first_line)
-    if durable_job is not None:
+        memory_thread = threading.Thread(
+            target=_write_memory_tier,
+            args=(memory_job, rank, buckets),
+            kwargs={"durable": True},
+            name="resilient_ckpt-memory-tier",
+            daemon=True,
+        )
+        memory_thread.start()
+    try:
         backend = durable_job.backend()
         retargeted = [
             (backend.join(durable_job.checkpoint_dir, name), name, items)
             for _, name, items in buckets
         ]
         run_write_job(durable_job, retargeted, functools.partial(write_file, durable_job))
+    finally:
+        if memory_thread is not None:
+            # The arena holding the bytes is reused once this call returns.
+            memory_thread.join()
+
+
+def _write_memory_tier(job: WriteJob, rank: int, buckets: list[WriteBucket], durable: bool) -> None:
+    try:
+        run_write_job(job, buckets, functools.partial(write_file, job))
+    except Exception as exc:
+        # Could not even record the outcome (tier full). Without a durable copy to write,
+        # fail the call: its error (the ENOSPC) then reaches every rank. Otherwise the
+        # durable copy is written anyway; the trainer notices the missing report once this
+        # call ends.
+        if not durable:
+            raise
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        logger.error("memory tier write of rank %d left no report: %s", rank, first_line)
 
 
 class DurableCopyWriter(FileSystemWriterAsync):
