@@ -102,9 +102,8 @@ def test_round_trip_and_byte_identical_to_torch_writer(tmp_path) -> None:
 
 @pytest.mark.timeout(120)
 def test_staged_saves_are_byte_identical_to_torch_writer(tmp_path) -> None:
-    """Through the worker (staged; the second save takes the steady-state paths, which hand
-    plain tensors over without detaching them), plain tensors, Parameters and tensors
-    requiring grad are written as torch's writer does."""
+    """Through the worker (staged; the second save takes the steady-state paths), plain
+    tensors, Parameters and tensors requiring grad are written as torch's writer does."""
     state = _with_autograd_leaves(_state())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -249,12 +249,10 @@ def _resolve_blob(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | 
             out.append(snapshot_view(_resolve_tensor(planner, flat, item), fqn))
         elif tensor.untyped_storage().nbytes() > tensor.nbytes:
             out.append(tensor.detach().clone())  # a view into a larger storage: see there
-        elif type(tensor) is torch.Tensor and not tensor.requires_grad:
-            # Nothing for detach() to drop: the tensor itself, no new object per item
-            # (~1 us each in a 2000-tensor save). Parameters and tensors requiring grad are
-            # still detached, so the buckets hold plain tensors without autograd state.
-            out.append(tensor)
         else:
+            # Always a new object (not the caller's tensor itself, even when detach() has
+            # nothing to drop): the buckets' tensors must die with the write (NVRx's
+            # "writer hands its payload over" tests hold weak references to them).
             out.append(tensor.detach())
     return out
 
