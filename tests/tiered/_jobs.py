@@ -300,3 +300,32 @@ def crash_trial(rank: int, world: int, root: str, seed: int, kind: str) -> dict[
     mgr.maybe_finalize(blocking=True)
     mgr.close()
     return facts  # only reached if the kill missed every save (it should not)
+
+
+def warmed_up(rank: int, world: int, root: str) -> dict[str, Any]:
+    """``warmup`` before the first save: the worker is up before it, the plan is reused."""
+    app = App()
+    train(app, 1)
+    mgr = manager(root, durable_every=1)
+    mgr.warmup(app.checkpoint())
+    caller = mgr.queue.persistent_caller
+    steps = [
+        entry
+        for tier in (os.path.join(root, "durable"), os.path.join(root, "mem", str(rank)))
+        if os.path.isdir(tier)
+        for entry in os.listdir(tier)
+        if entry.startswith("step_")
+    ]
+    facts: dict[str, Any] = {
+        "worker_up": caller is not None and caller._debug_is_async_process_running(),
+        "nothing_written": not steps,
+    }
+    barrier()  # every rank looked before any saves
+    misses = mgr._cache.misses
+    mgr.save(app.checkpoint(), 1)
+    facts["plan_reused"] = mgr._cache.misses == misses and mgr._cache.hits >= 1
+    mgr.maybe_finalize(blocking=True)
+    mgr.close()
+    barrier()
+    facts["restore"] = restore(root)
+    return facts

@@ -63,7 +63,7 @@ def _print_stalls(work: str, summary: dict[str, Any]) -> None:
     firsts = [s["stall_s"] for s in saves if s["first"]]
     print(
         f"[demo] save stalls (rank 0, {len(saves)} saves over the three runs; the first save "
-        f"of each run starts its background worker: {', '.join(f'{t:.2f}' for t in firsts)} s)"
+        f"of each run, after mgr.warmup(): {', '.join(f'{t * 1e3:.1f}' for t in firsts)} ms)"
     )
     for durable, label in ((False, "memory only"), (True, "memory + durable")):
         stalls = [s["stall_s"] for s in saves if s["durable"] is durable and not s["first"]]

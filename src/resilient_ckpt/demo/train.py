@@ -193,6 +193,8 @@ def run(args: argparse.Namespace) -> None:
             durable_every=args.durable_every,
         )
         start, resume = _resume(manager, model, optim, mesh)
+        # The saves' structure (momentum for every parameter), so the first save is warm.
+        manager.warmup(_template(model, mesh))
     if rank == 0:
         _write_summary(args.summary, {"resume": resume, "world_size": world})
     if rank == 0 and start:

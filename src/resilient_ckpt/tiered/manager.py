@@ -70,6 +70,7 @@ from ..async_ckpt.state_dict_saver import (
     CheckpointMetadataCache,
     save_state_dict_async_plan,
 )
+from ..async_ckpt.warmup import warmup_async_save
 from ..config import Timeouts, default_timeouts
 from ..errors import (
     CheckpointTimeoutError,
@@ -217,6 +218,24 @@ class TieredCheckpointManager(RestoreSteps):
         self.on_phase(phase, step)
 
     # -- save -------------------------------------------------------------------------------
+
+    def warmup(self, state_dict: dict[str, Any]) -> None:
+        """Make the first save of ``state_dict``'s structure cost a steady one; collective.
+
+        Plans the state once (the plan cache then serves the saves), starts the background
+        worker and its copy threads, and pre-faults a staging arena for the state's bytes.
+        Writes nothing. Pass a state laid out as the saves' will be (same keys, shapes,
+        placements); other values are fine.
+        """
+        self._check_open()
+        warmup_async_save(
+            plain_state(state_dict),
+            self._queue,
+            metadata_cache=self._cache,
+            single_file_per_rank=True,
+            sync_files=False,
+            thread_count=self.options.thread_count,
+        )
 
     def save(self, state_dict: dict[str, Any], step: int, *, durable: bool | None = None) -> None:
         """Snapshot ``state_dict`` as checkpoint ``step`` (collective); writes in background.
