@@ -54,6 +54,14 @@ def _same(expected: dict, got: dict) -> None:
             assert got[key] == value, key
 
 
+def _shift_tensors(state: dict, delta: float) -> None:
+    """Change every top-level tensor of ``state`` in place (after a save's call: the
+    checkpoint must not see it)."""
+    for value in state.values():
+        if torch.is_tensor(value):
+            value.data.add_(delta)
+
+
 def _replace_same_shape(s: dict) -> None:
     s["w1"] = torch.full_like(s["w1"], 5.0)  # a new object, other memory
 
@@ -143,13 +151,9 @@ def test_torch_flow_reuses_the_layout_and_saves_every_change(tmp_path) -> None:
             hits = cache.hits
             ckpt.async_save(state, str(tmp_path / f"{n}.pt"), overlap_staging=n % 2 == 1)
             ckpt.wait_for_snapshot()
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.data.add_(100)
+            _shift_tensors(state, 100)
             ckpt.finalize_async_save(blocking=True)
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.data.sub_(100)
+            _shift_tensors(state, -100)
             assert cache.hits == hits + int(reusable), what
             _same(expected, torch.load(tmp_path / f"{n}.pt"))
     finally:
@@ -253,13 +257,9 @@ def test_dcp_steady_state_skips_planning_and_replans_every_change(tmp_path, monk
             before = len(set_ups)
             _dcp_save(queue, state, tmp_path / f"d{n}", cache)
             assert (len(set_ups) == before) == steady, what
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.data.add_(50)
+            _shift_tensors(state, 50)
             queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.data.sub_(50)
+            _shift_tensors(state, -50)
             target = _load_target(state)
             dcp.load(target, checkpoint_id=str(tmp_path / f"d{n}"))
             # Non-tensor leaves come back through the byte items; lists become leaves.
@@ -305,13 +305,9 @@ def test_local_flow_reuses_the_shard_layout_and_saves_every_change(tmp_path) -> 
             hits = cache.hits
             request = manager.save(BasicTensorAwareStateDict(state), n, is_async=True)
             queue.schedule_async_request(request)
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.data.add_(100)
+            _shift_tensors(state, 100)
             queue.maybe_finalize_async_calls(blocking=True)
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.data.sub_(100)
+            _shift_tensors(state, -100)
             assert (cache.hits == hits + 1) == steady, what
             loaded = LocalCheckpointManager(str(tmp_path), "s")
             assert loaded.find_latest() == n
@@ -335,9 +331,7 @@ def test_warmup_primes_the_staging_cache_for_the_state_it_is_given(tmp_path) -> 
             state["w0"].add_(1)  # values change after the warm-up
             expected = _expected(state)
             ckpt.async_save(state, str(tmp_path / f"{warm_state}.pt"))
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.data.add_(100)
+            _shift_tensors(state, 100)
             ckpt.finalize_async_save(blocking=True)
             assert (cache.hits, cache.misses) == (int(hit), int(not hit)), warm_state
             _same(expected, torch.load(tmp_path / f"{warm_state}.pt"))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .._logging import get_logger
-from ..errors import CheckpointTimeoutError
+from ..errors import CheckpointTimeoutError, StagingError
 from ._copy import ThreadPool
 from ._staging import StagedRequest
 
@@ -80,7 +80,7 @@ class PendingSnapshot:
             self._future = None
         staged = self._staged
         if staged is None:
-            raise RuntimeError("PendingSnapshot has neither a staged request nor a staging")
+            raise StagingError(f"snapshot of async request {self.call_idx} was already abandoned")
         if staged.copy is not None:
             staged.copy.wait(timeout)
         return staged, staging_s

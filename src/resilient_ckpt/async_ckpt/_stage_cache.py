@@ -157,7 +157,13 @@ class StageCache:
                 return None
         except Exception:  # _Miss, or anything the full path will report properly
             return None
+        self.hits += 1
         return payload, guess.tensors
+
+    def planned_for(self, slots: tuple[Slot, ...]) -> bool:
+        """Whether the cache holds the copy plan of the staging that laid out ``slots``
+        (just remembered: its storages are all on the host)."""
+        return self._reduced is not None and self._slots is slots
 
     @property
     def slots(self) -> tuple[Slot, ...]:
@@ -189,5 +195,4 @@ class StageCache:
         except BaseException:
             pool.release(arena.arena_id)
             raise
-        self.hits += 1
         return arena, job

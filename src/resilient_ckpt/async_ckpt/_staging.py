@@ -213,12 +213,13 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
     return payload, collector
 
 
-def _layout(slots: list[_PendingSlot]) -> int:
+def _layout(slots: list[_PendingSlot]) -> tuple[int, tuple[Slot, ...]]:
+    """Place ``slots`` in an arena, back to back: its bytes and each slot's place."""
     offset = 0
     for slot in slots:
         slot.offset = offset
         offset += _align(slot.nbytes)
-    return offset
+    return offset, tuple((p.offset, p.nbytes) for p in slots)
 
 
 def copy_into(
@@ -287,19 +288,21 @@ def stage(
             arena, job = cache.copy(pool, wait_for_release, tensors, overlap=overlap)
             return StagedRequest(payload, arena, cache.slots, cache.total, job if overlap else None)
     payload, collector = collect_descriptors(obj, what)
-    pending = collector.slots
-    total = _layout(pending)
-    slots: tuple[Slot, ...] = tuple((p.offset, p.nbytes) for p in pending)
+    total, slots = _layout(collector.slots)
     if cache is not None:
         _remember(cache, collector, slots, total, threads)
-    if not pending:
+    if not slots:
         return StagedRequest(payload, None, (), 0)
-    arena = pool.acquire(total, wait_for_release)
-    try:
-        job = copy_into(arena, pending, threads=threads, overlap=overlap)
-    except BaseException:
-        pool.release(arena.arena_id)
-        raise
+    if cache is not None and cache.planned_for(slots):
+        # Host storages only: copy with the plan just cached, not a second coalesce/split.
+        arena, job = cache.copy(pool, wait_for_release, collector.tensors, overlap=overlap)
+    else:
+        arena = pool.acquire(total, wait_for_release)
+        try:
+            job = copy_into(arena, collector.slots, threads=threads, overlap=overlap)
+        except BaseException:
+            pool.release(arena.arena_id)
+            raise
     return StagedRequest(payload, arena, slots, total, job if overlap else None)
 
 
@@ -334,7 +337,6 @@ def prime(obj: Any, cache: StageCache, threads: int, what: str = "the warm-up st
     from its first save on. Any other request simply misses (see :mod:`._stage_cache`).
     """
     _, collector = collect_descriptors(obj, what)
-    total = _layout(collector.slots)
-    slots: tuple[Slot, ...] = tuple((p.offset, p.nbytes) for p in collector.slots)
+    total, slots = _layout(collector.slots)
     _remember(cache, collector, slots, total, threads, counted=False)
     return total

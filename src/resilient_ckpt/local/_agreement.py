@@ -27,17 +27,20 @@ def gather(obj: Any) -> list[Any]:
     return _dist.all_gather_object(obj)
 
 
+def _attempt(step: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """``step()`` here: its value, or the exception the agreement carries to every rank."""
+    try:
+        return step(), None
+    except Exception as exc:
+        return None, exc
+
+
 def agree_gather(what: str, step: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
     """Run ``step`` (returning ``(local, shared)``) here; return ``local`` and every rank's
     ``shared``. Raises on every rank if ``step`` failed on any. Collective.
     """
-    error: Exception | None = None
-    value: T | None = None
-    shared: Any = None
-    try:
-        value, shared = step()
-    except Exception as exc:
-        error = exc
+    result, error = _attempt(step)
+    value, shared = result if result is not None else (None, None)
     outcomes = _dist.agree(what, error, payload=shared, with_payload=True)
     return value, [o.payload for o in outcomes]  # type: ignore[return-value]
 
@@ -46,12 +49,7 @@ def agree_number(what: str, step: Callable[[], T], number: int) -> tuple[T, list
     """Like :func:`agree_gather` for an ``int`` to share: it travels in the one tensor
     all-gather that carries the failures (``agree_gather`` costs an object all-gather, two
     collectives and a pickle per rank). Collective."""
-    error: Exception | None = None
-    value: T | None = None
-    try:
-        value = step()
-    except Exception as exc:
-        error = exc
+    value, error = _attempt(step)
     shared = number if error is None and isinstance(number, int) else -1
     outcomes = _dist.agree(what, error, ints=(shared,))
     return value, [o.ints[0] for o in outcomes]  # type: ignore[return-value]
@@ -59,11 +57,6 @@ def agree_number(what: str, step: Callable[[], T], number: int) -> tuple[T, list
 
 def agree(what: str, step: Callable[[], T]) -> T:
     """Run ``step`` here; raise on every rank if it failed on any. Collective."""
-    error: Exception | None = None
-    value: T | None = None
-    try:
-        value = step()
-    except Exception as exc:
-        error = exc
+    value, error = _attempt(step)
     _dist.agree(what, error)
     return value  # type: ignore[return-value]

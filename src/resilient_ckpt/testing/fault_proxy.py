@@ -12,7 +12,7 @@ on 127.0.0.1, forwards only to the upstream it was given, and serves until ``clo
     with FaultInjectingProxy("127.0.0.1", server_port) as proxy:
         proxy.arm("503", count=3, match=lambda method, path: method == "PUT")
         ...  # the first 3 PUTs through proxy.endpoint fail with 503
-        assert proxy.injected == 3
+        injected = proxy.injected  # 3 once they have been sent
 
 Several plans can be armed at once; a request takes the fault of the first plan that
 selects it. A plan given several modes cycles through them (``("503", "reset")``).

@@ -1,9 +1,10 @@
 """Restore for :class:`~.manager.TieredCheckpointManager`: pick the newest verified step of any
 tier, load it through ``dcp.load`` (resharding), and drop the abandoned timeline.
 
-A mixin so the manager module holds set-up, save and finalize, and this one the read side;
-it uses the manager's attributes (``memory_dir``, ``durable_dir``, ``rank``, ``world_size``,
-``_queue``, ``_pending``, ``last_restore``) and its ``maybe_finalize``.
+A mixin so the manager module holds set-up and save (:mod:`._finalizing` the finalize side)
+and this one the read side; it uses the manager's attributes (``memory_dir``,
+``durable_dir``, ``rank``, ``world_size``, ``_queue``, ``_pending``, ``last_restore``) and
+its ``maybe_finalize``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -22,24 +22,13 @@ from .. import _dist
 from .._logging import get_logger
 from ..async_ckpt.core import AsyncRequest
 from ..errors import CheckpointingException, CorruptCheckpointError
+from ..local._agreement import agree
 from ..storage import get_backend
 from ..storage.commit import COMMIT_RECORD
 from . import _restore
 from ._layout import StepListing, purge_newer
 
 logger = get_logger(__name__)
-
-
-def agreed(what: str, step: Callable[[], Any]) -> Any:
-    """Run ``step`` here; raise on every rank if it failed on any (``_dist.agree``)."""
-    error: Exception | None = None
-    value = None
-    try:
-        value = step()
-    except Exception as exc:
-        error = exc
-    _dist.agree(what, error)
-    return value
 
 
 class RestoreSteps:
@@ -83,7 +72,7 @@ class RestoreSteps:
             started = time.perf_counter()
             try:
                 record = self._shared_record(candidate, views)
-                reader = agreed(
+                reader = agree(
                     f"preparing the restore of {candidate.tier} step {candidate.step}",
                     functools.partial(self._reader, candidate, record, views[self.rank].listings),
                 )

@@ -189,6 +189,18 @@ def plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
+def writer_options(options: TieredOptions) -> dict[str, Any]:
+    """The memory tier writer's options: its saves and their warm-up plan alike with them."""
+    return {"single_file_per_rank": True, "sync_files": False, "thread_count": options.thread_count}
+
+
+def open_memory_writer(step_dir: str, options: TieredOptions) -> FileSystemWriterAsync:
+    """The writer a save is planned for: this rank's memory-tier step directory."""
+    writer = FileSystemWriterAsync(step_dir, **writer_options(options))
+    writer.align_items = True  # restores copy each tensor once, from the mapped file
+    return writer
+
+
 def open_durable_writer(
     durable_dir: str, step: int, rank: int, options: TieredOptions
 ) -> DurableCopyWriter:
@@ -201,10 +213,7 @@ def open_durable_writer(
     """
     path = get_backend(durable_dir).join(durable_dir, step_name(step))
     writer = DurableCopyWriter(
-        path,
-        single_file_per_rank=True,
-        sync_files=options.durable_sync,
-        thread_count=options.thread_count,
+        path, **{**writer_options(options), "sync_files": options.durable_sync}
     )
     try:
         writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)

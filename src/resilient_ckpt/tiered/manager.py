@@ -53,19 +53,14 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException
 
 from .. import _dist
 from .._logging import get_logger
-from ..async_ckpt._completion import State
 from ..async_ckpt.core import AsyncCallsQueue, AsyncRequest
-from ..async_ckpt.filesystem_async import FileSystemWriterAsync
 from ..async_ckpt.state_dict_saver import (
     CheckpointMetadataCache,
     save_state_dict_async_plan,
@@ -73,17 +68,17 @@ from ..async_ckpt.state_dict_saver import (
 from ..async_ckpt.warmup import warmup_async_save
 from ..config import Timeouts, default_timeouts
 from ..errors import (
-    CheckpointTimeoutError,
-    CheckpointWriteError,
     ConfigurationError,
     QueueClosedError,
 )
+from ..local._agreement import agree
 from ..local.replication.group_utils import CliqueGroup, parse_group_sequence
 from ..local.replication.strategies import default_replication_jump
 from ..storage import get_backend
 from ..storage.retention import prune_checkpoints
+from ._finalizing import FinalizeSteps, PendingSave
 from ._layout import memory_step_dir, rank_dir, remove_step
-from ._loading import RestoreSteps, agreed
+from ._loading import RestoreSteps
 from ._options import TieredOptions
 from ._phases import PhaseHook, TieredPhase
 from ._replicator import MemorySave, Replicator
@@ -92,9 +87,11 @@ from ._writes import (
     commit_durable,
     durable_job_of,
     open_durable_writer,
+    open_memory_writer,
     plain_state,
     split_save_function,
     write_tiers,
+    writer_options,
 )
 
 logger = get_logger(__name__)
@@ -102,15 +99,7 @@ logger = get_logger(__name__)
 __all__ = ["TieredCheckpointManager"]
 
 
-@dataclass
-class _Pending:
-    step: int
-    call_idx: int
-    memory: MemorySave
-    durable: bool
-
-
-class TieredCheckpointManager(RestoreSteps):
+class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
     """Checkpoints in node-local RAM with peer replicas, every N-th also durable.
 
     Args:
@@ -176,7 +165,7 @@ class TieredCheckpointManager(RestoreSteps):
         cliques = parse_group_sequence(jump, replication_factor, self.world_size)
         self.clique_ranks = next(c for c in cliques if self.rank in c)
         self._world_group, clique = self._make_groups(cliques)
-        agreed("tiered manager set-up", self._prepare_dirs)
+        agree("tiered manager set-up", self._prepare_dirs)
         self._queue = AsyncCallsQueue(persistent=True, timeouts=self.timeouts)
         self._cache = CheckpointMetadataCache()
         self._replicator = Replicator(
@@ -189,7 +178,7 @@ class TieredCheckpointManager(RestoreSteps):
             poll_interval=min(self.timeouts.poll_interval, 0.01),
             on_phase=self._phase,
         )
-        self._pending: deque[_Pending] = deque()
+        self._pending: deque[PendingSave] = deque()
         self._last_step: int | None = None
         self._saves_since_durable = 0
         self._closed = False
@@ -232,9 +221,7 @@ class TieredCheckpointManager(RestoreSteps):
             plain_state(state_dict),
             self._queue,
             metadata_cache=self._cache,
-            single_file_per_rank=True,
-            sync_files=False,
-            thread_count=self.options.thread_count,
+            **writer_options(self.options),
         )
 
     def save(self, state_dict: dict[str, Any], step: int, *, durable: bool | None = None) -> None:
@@ -259,13 +246,7 @@ class TieredCheckpointManager(RestoreSteps):
         started = time.perf_counter()
         step_dir = memory_step_dir(self.memory_dir, self.rank, step)
         remove_step(step_dir)  # a stale save of this step from an abandoned run
-        writer = FileSystemWriterAsync(
-            step_dir,
-            single_file_per_rank=True,
-            sync_files=False,
-            thread_count=self.options.thread_count,
-        )
-        writer.align_items = True  # restores copy each tensor once, from the mapped file
+        writer = open_memory_writer(step_dir, self.options)
         durable_writer = (
             open_durable_writer(self.durable_dir, step, self.rank, self.options)
             if goes_durable
@@ -297,7 +278,7 @@ class TieredCheckpointManager(RestoreSteps):
         staged = time.perf_counter()
         memory = MemorySave(step, step_dir, memory_job, metadata, writer.storage_meta())
         self._replicator.submit(memory)
-        self._pending.append(_Pending(step, call_idx, memory, goes_durable))
+        self._pending.append(PendingSave(step, call_idx, memory, goes_durable))
         self._last_step = step
         self._saves_since_durable = 0 if goes_durable else self._saves_since_durable + 1
         self.timings[step] = {"plan": planned - started, "stage": staged - planned}
@@ -314,74 +295,6 @@ class TieredCheckpointManager(RestoreSteps):
         self._phase(TieredPhase.DURABLE_COMMITTED, step)
         if self.rank == 0:
             prune_checkpoints(self.durable_dir, self.options.keep_durable)
-
-    # -- finalize ---------------------------------------------------------------------------
-
-    def maybe_finalize(self, blocking: bool = False) -> list[int]:
-        """Commit what finished; return the steps newly committed in the memory tier.
-
-        Collective. Durable saves whose write finished on every rank are committed here.
-        A failure of either tier on any rank raises here on every rank (the first one;
-        later ones are logged). ``blocking`` waits (with deadlines) for every pending save.
-        """
-        if self._closed:
-            raise QueueClosedError("maybe_finalize on a closed TieredCheckpointManager")
-        errors: list[BaseException] = []
-        self._notice_finished_calls()
-        try:
-            self._queue.maybe_finalize_async_calls(blocking=blocking)
-        except CheckpointException as exc:
-            errors.append(CheckpointWriteError(f"durable commit failed: {exc}"))
-        except BaseException as exc:
-            errors.append(exc)
-        self._notice_finished_calls()
-        committed = self._collect_memory(blocking, errors)
-        if errors:
-            for extra in errors[1:]:
-                logger.error("another tiered checkpoint failure: %r", extra)
-            raise errors[0]
-        return committed
-
-    def _notice_finished_calls(self) -> None:
-        """Tell the replicator which worker calls ended (a memory write that left no report
-        is then a failure, not a wait until the deadline)."""
-        active = {a.idx for a in self._queue.async_calls}
-        caller = self._queue.persistent_caller
-        for pending in self._pending:
-            if pending.memory.call_finished.is_set():
-                continue
-            finished = pending.call_idx not in active
-            if not finished and caller is not None:
-                finished = caller.local_status(pending.call_idx).state != State.RUNNING
-            if finished:
-                pending.memory.call_finished.set()
-
-    def _collect_memory(self, blocking: bool, errors: list[BaseException]) -> list[int]:
-        committed = []
-        deadline = time.monotonic() + self.timeouts.finalize
-        while self._pending:
-            pending = self._pending[0]
-            future = pending.memory.future
-            if blocking:
-                try:
-                    future.exception(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    errors.append(
-                        CheckpointTimeoutError(
-                            f"tiered save of step {pending.step}: the memory tier did not "
-                            f"commit within {self.timeouts.finalize:.0f}s"
-                        )
-                    )
-                    break
-            elif not future.done():
-                break
-            self._pending.popleft()
-            exc = future.exception()
-            if exc is not None:
-                errors.append(exc)
-            else:
-                committed.append(pending.step)
-        return committed
 
     # -- shutdown ---------------------------------------------------------------------------
 

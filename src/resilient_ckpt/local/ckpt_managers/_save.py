@@ -52,6 +52,14 @@ def _as_ckpt_id(value: Hashable) -> CkptID:
     return (int(value[0]), int(value[1]), value[2])
 
 
+def _require_tensor_aware(state_dict: Any, method: str) -> None:
+    if not isinstance(state_dict, TensorAwareStateDict):
+        raise ConfigurationError(
+            f"{method}() needs a TensorAwareStateDict, got {type(state_dict).__name__}; wrap "
+            "a plain state dict in BasicTensorAwareStateDict"
+        )
+
+
 def _shard_bytes(state: TensorAwareStateDict) -> ShardBuffer:
     """A copy to write: received shards as they are, other states serialized."""
     return state if isinstance(state, ShardBuffer) else ShardBuffer(serialize(plan_shard(state)))
@@ -61,11 +69,7 @@ class SaveSteps(ManagerBase):
     """``save`` of :class:`~.base_manager.BaseCheckpointManager`, with its commit."""
 
     def _prepare(self, state_dict: Any, iteration: Any) -> ShardLayout:
-        if not isinstance(state_dict, TensorAwareStateDict):
-            raise ConfigurationError(
-                f"save() needs a TensorAwareStateDict, got {type(state_dict).__name__}; wrap "
-                "a plain state dict in BasicTensorAwareStateDict"
-            )
+        _require_tensor_aware(state_dict, "save")
         if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
             raise ConfigurationError(f"iteration must be an int >= 0, got {iteration!r}")
         newest = max(self._newest_saved, self.latest_iteration, *self._inflight)
@@ -129,11 +133,7 @@ class SaveSteps(ManagerBase):
         saves are scheduled on) it also starts its worker and copy threads, pre-faults an
         arena for the shard's tensors and primes its staging cache with them.
         """
-        if not isinstance(state_dict, TensorAwareStateDict):
-            raise ConfigurationError(
-                f"warmup() needs a TensorAwareStateDict, got {type(state_dict).__name__}; "
-                "wrap a plain state dict in BasicTensorAwareStateDict"
-            )
+        _require_tensor_aware(state_dict, "warmup")
         if _dist.is_distributed():
             _dist.library_group()
         layout = self._shard_cache.plan(state_dict, plan_shard)
