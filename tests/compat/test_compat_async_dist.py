@@ -195,10 +195,12 @@ def _staging_switches(rank: int, world: int, root: str, queues: dict) -> None:
     FileSystemWriterAsync.cleanup_tensor_caches()
     kept = _state(rank, world)
     for reallocate in (False, True):
-        ptrs = set()
+        ptrs, alive = set(), []
         for i in range(3):
             if reallocate:
+                # Earlier states stay alive so the allocator cannot hand a freed address back.
                 state = _state(rank, world, fill=float(i))
+                alive.append(state)
             else:
                 state = kept  # the same tensors, changed in place
                 state["sharded"].to_local().fill_(float(i))
