@@ -112,6 +112,22 @@ def main() -> None:
             json.dump(summary, f)
 
 
+class _PlanProbe(pl.Callback):
+    """Counts the saves that planned afresh between the first batch and the end of fit
+    (zero when the callback's warm-up planned ahead)."""
+
+    def __init__(self, tiered: TieredCheckpointCallback) -> None:
+        self.tiered = tiered
+        self.plans: int | None = None
+        self._before = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._before = self.tiered.manager._cache.misses
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.plans = self.tiered.manager._cache.misses - self._before
+
+
 def _fit_tiered(args: argparse.Namespace) -> None:
     tiered = TieredCheckpointCallback(
         os.path.join(args.workdir, "memory"),
@@ -120,12 +136,13 @@ def _fit_tiered(args: argparse.Namespace) -> None:
         durable_every=args.durable_every,
         replication_jump=1,  # two ranks on one machine stand for two nodes
     )
+    probe = _PlanProbe(tiered)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=DDPStrategy(process_group_backend="gloo"),
         max_steps=args.steps,
-        callbacks=[tiered],
+        callbacks=[tiered, probe],
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
@@ -136,7 +153,11 @@ def _fit_tiered(args: argparse.Namespace) -> None:
     trainer.fit(model)
     if trainer.global_rank == 0:
         torch.save(model.net.state_dict(), os.path.join(args.workdir, "final.pt"))
-        summary = {"resumed_from": tiered.resumed_from, "global_step": trainer.global_step}
+        summary = {
+            "resumed_from": tiered.resumed_from,
+            "global_step": trainer.global_step,
+            "plans_during_fit": probe.plans,
+        }
         with open(os.path.join(args.workdir, "summary.json"), "w") as f:
             json.dump(summary, f)
 

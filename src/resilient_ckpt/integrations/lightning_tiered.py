@@ -28,6 +28,9 @@ hook. A ``ckpt_path`` file passed to ``fit`` still wins when its ``global_step``
 This uses ``trainer._checkpoint_connector`` (``dump_checkpoint`` and the restore steps that
 follow ``on_fit_start``), for which Lightning has no public name.
 
+After the resume the callback warms the manager up with the state's layout
+(:meth:`TieredCheckpointManager.warmup`): the first save then stalls like a steady one.
+
 At the very first fit, ``get_state_dict`` creates the optimizer's state with a zero-lr step
 over zero gradients (torch's own way to give the state a shape to load into).
 """
@@ -143,12 +146,25 @@ class TieredCheckpointCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.manager is None:
             return
-        connector = trainer._checkpoint_connector
-        file_step = int(connector._loaded_checkpoint.get("global_step", -1))
         model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": b""}
+        self._resume(self.manager, trainer, pl_module, state)
+        # Plan, start the worker and pre-fault its arena now, so the first save stalls like
+        # the others (collective, like the load; writes nothing).
+        self.manager.warmup(state)
+
+    def _resume(
+        self,
+        manager: TieredCheckpointManager,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        state: dict[str, Any],
+    ) -> None:
+        """Load the newest tiered checkpoint into ``state`` and hand Lightning the rest."""
+        connector = trainer._checkpoint_connector
+        file_step = int(connector._loaded_checkpoint.get("global_step", -1))
         # Every rank loads, whatever it finds: the load is collective and decides for all.
-        step = self.manager.load(state)
+        step = manager.load(state)
         if step is None or step < file_step:
             return
         set_state_dict(
@@ -167,7 +183,7 @@ class TieredCheckpointCallback(pl.Callback):
         connector.restore_datamodule()
         connector.restore_callbacks()
         self._last_saved = step
-        self.resumed_from = {"step": step, **_restore_report(self.manager)}
+        self.resumed_from = {"step": step, **_restore_report(manager)}
         logger.info("resumed from tiered checkpoint %d (%s)", step, self.resumed_from)
 
     def on_train_batch_end(
