@@ -20,6 +20,12 @@ For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) 
   ``LocalCheckpointManager.warmup(state, queue)`` for local saves) against the
   steady-state median.
 
+Every timed save (the references too) follows a pause of ``--gap-ms`` (default 100 ms),
+standing for the training step between two saves: back to back, the previous save's
+clean-up in its worker (releasing the request, a garbage collection) competes with the next
+save for the same cores, which a training job's saves, seconds apart, never see (measured on
+2 cores: the flow that ran right after another one stalled 1.2-1.3x longer).
+
 DCP states are DTensor shards (every rank writes its own bytes); the other flows save the
 local shards. Figures are medians of the slowest rank per repetition. Optionally
 (``--memory-saves``) RSS and staging memfds over that many saves of a fixed structure.
@@ -61,6 +67,7 @@ class Config:
     warmups: int
     memory_saves: int
     first_trials: int = 3
+    gap_s: float = 0.1
 
 
 def _state(rank: int, world: int, nbytes: int, tensors: int) -> tuple[dict, dict]:
@@ -290,6 +297,7 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
         samples: dict[str, list[float]] = {}
         for rep in range(cfg.warmups + cfg.reps):
             for name, flow in FLOWS.items():
+                time.sleep(cfg.gap_s)  # the training step between two saves
                 for key, value in flow(flows).items():
                     if rep >= cfg.warmups:
                         samples.setdefault(f"{name}|{key}", []).append(value)
@@ -323,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--first-trials", type=int, default=3, help="fresh objects whose first save is timed"
     )
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=100.0,
+        help="pause before every timed save, standing for the training step between saves",
+    )
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: /dev/shm)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -332,8 +346,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
     base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     root = tempfile.mkdtemp(prefix="rc_bench_stall_", dir=base)
+    if args.gap_ms < 0:
+        parser.error(f"--gap-ms must be >= 0, got {args.gap_ms}")
     cfg = Config(
-        root, shapes, args.reps, args.warmups, args.memory_saves, max(1, args.first_trials)
+        root,
+        shapes,
+        args.reps,
+        args.warmups,
+        args.memory_saves,
+        max(1, args.first_trials),
+        args.gap_ms / 1000,
     )
     try:
         per_rank = launch(_rank_main, args.ranks, cfg, timeout=3600)
