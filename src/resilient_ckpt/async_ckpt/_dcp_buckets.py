@@ -15,19 +15,21 @@ Everything derived from the plan alone is then reused too, keyed by that plan's 
   objects (about 75 objects each), so pickling the request costs microseconds;
 * for :class:`DefaultSavePlanner`, resolving an item is a dictionary lookup (the planner's
   generic ``resolve_data`` builds index objects per item; DTensors' ``to_local`` goes
-  through autograd).
+  through autograd), done when the request is staged (:class:`ItemTensors`): in overlapped
+  staging off the trainer's thread.
 
 A changed structure gives a new plan (the cache misses and re-plans), hence new buckets.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import pickle
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -140,12 +142,59 @@ class ItemTensors(list[tuple[WriteItem, torch.Tensor]]):
 
     It is a plain list of pairs to every reader; only pickling (the staging of the request)
     differs. Unpickled, it is a plain list again.
+
+    With a ``resolve`` function the tensors are looked up on first use (any list operation
+    or the pickling), not when the bucket is built: in overlapped staging that is on the
+    staging thread, so resolving thousands of items is no longer part of the save call.
+    Only lookups that read nothing but the plan's own flat state are deferred (see
+    :func:`build_buckets`); the tensors are those of the save's state either way.
     """
 
     blob: ItemsBlob
+    _resolve: Callable[[], list[torch.Tensor]] | None = None
+    _lock: threading.Lock
+
+    @classmethod
+    def deferred(cls, blob: ItemsBlob, resolve: Callable[[], list[torch.Tensor]]) -> ItemTensors:
+        made = cls()
+        made.blob = blob
+        made._resolve = resolve
+        made._lock = threading.Lock()
+        return made
+
+    def _materialize(self) -> None:
+        if self._resolve is None:
+            return
+        with self._lock:
+            resolve = self._resolve
+            if resolve is not None:
+                list.extend(self, zip(self.blob.items, resolve(), strict=True))
+                self._resolve = None
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        self._materialize()
         return _pairs, (self.blob, [tensor for _, tensor in self])
+
+
+def _resolving(name: str) -> Any:
+    method = getattr(list, name)
+
+    @functools.wraps(method)
+    def wrapper(self: ItemTensors, *args: Any, **kwargs: Any) -> Any:
+        self._materialize()
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+# Every list operation sees the resolved pairs (pickling has its own __reduce_ex__).
+for _name in (
+    "__len__", "__getitem__", "__iter__", "__reversed__", "__contains__", "__eq__", "__ne__",
+    "__lt__", "__le__", "__gt__", "__ge__", "__repr__", "__add__", "__mul__", "__rmul__",
+    "__iadd__", "__imul__", "__setitem__", "__delitem__", "append", "extend", "insert", "pop",
+    "remove", "clear", "index", "count", "copy", "sort", "reverse",
+):  # fmt: skip
+    setattr(ItemTensors, _name, _resolving(_name))
 
 
 class _Skeleton:
@@ -274,8 +323,16 @@ def build_buckets(
     buckets: list[WriteBucket] = []
     for name, byte_items, blob in skeleton.files:
         bytes_data: Any = [(item, planner.resolve_data(item)) for item in byte_items]
-        tensor_data = ItemTensors(zip(blob.items, _resolve_blob(blob, planner, flat), strict=True))
-        tensor_data.blob = blob
+        if flat is not None:
+            # Lookups in the plan's flat state only (a DefaultSavePlanner's): deferred.
+            tensor_data = ItemTensors.deferred(
+                blob, functools.partial(_resolve_blob, blob, planner, flat)
+            )
+        else:  # the planner's own resolve_data runs now, on the calling thread
+            tensor_data = ItemTensors(
+                zip(blob.items, _resolve_blob(blob, planner, flat), strict=True)
+            )
+            tensor_data.blob = blob
         buckets.append((join(checkpoint_dir, name), name, (bytes_data, tensor_data)))
     return buckets
 

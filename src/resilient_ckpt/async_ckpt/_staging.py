@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from .._logging import get_logger
-from ..errors import InvalidRequestError, StagingError
+from ..errors import CheckpointingException, InvalidRequestError, StagingError
 from ._arena import Arena, ArenaPool
 from ._copy import CopyJob, start_copy
 from ._messages import Slot
@@ -204,6 +204,8 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
     collector = _Collector()
     try:
         payload = dump_with(obj, collector)
+    except CheckpointingException:
+        raise  # ours (e.g. a write item resolved late to a non-tensor) say what happened
     except Exception as exc:
         raise InvalidRequestError(
             f"{what} cannot be sent to the background worker: {type(exc).__name__}: {exc}. "
