@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
-from ..errors import ConfigurationError
+from ..errors import CheckpointingException, ConfigurationError
 from ._dcp_write import WriteBucket
 
 try:
@@ -167,9 +167,18 @@ class ItemTensors(list[tuple[WriteItem, torch.Tensor]]):
             return
         with self._lock:
             resolve = self._resolve
-            if resolve is not None:
-                list.extend(self, zip(self.blob.items, resolve(), strict=True))
-                self._resolve = None
+            if resolve is None:
+                return
+            try:
+                tensors = resolve()
+            except CheckpointingException:
+                raise
+            except Exception as exc:  # the planner's resolve_data, running late
+                raise ConfigurationError(
+                    f"resolving the save plan's tensor items failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            list.extend(self, zip(self.blob.items, tensors, strict=True))
+            self._resolve = None
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         self._materialize()
