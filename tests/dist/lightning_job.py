@@ -94,6 +94,7 @@ def main() -> None:
         plugins=[checkpoint_io],
         callbacks=[
             local,
+            _CommitBeforeCrash(local, args.crash_at),
             ModelCheckpoint(
                 dirpath=global_dir, every_n_train_steps=args.global_every, save_last=True
             ),
@@ -110,6 +111,21 @@ def main() -> None:
         summary = {"resumed_from": checkpoint_io.resumed_from, "global_step": trainer.global_step}
         with open(os.path.join(args.workdir, "summary.json"), "w") as f:
             json.dump(summary, f)
+
+
+class _CommitBeforeCrash(pl.Callback):
+    """At the crash step, before the model kills the rank: finish the saves in flight, so
+    the newest local checkpoint is the one the test expects whatever the machine's load
+    (the callback itself commits them only at later batch ends)."""
+
+    def __init__(self, local: LocalCheckpointCallback, crash_at: int) -> None:
+        self.local, self.crash_at = local, crash_at
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self.crash_at and self.local._queue is not None:
+            self.local._queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
 
 
 class _PlanProbe(pl.Callback):

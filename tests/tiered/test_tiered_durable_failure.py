@@ -59,7 +59,9 @@ def _job(rank: int, world: int, root: str) -> dict:
 @pytest.mark.timeout(180)
 def test_durable_failure_on_one_rank_is_an_error_on_every_rank() -> None:
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        results = launch(_job, 2, d, timeout=150)
+        # A finalize deadline far above the bound below: waiting for it cannot pass for
+        # a slow machine's real work.
+        results = launch(_job, 2, d, timeout=150, env={"RESILIENT_CKPT_FINALIZE_TIMEOUT": "400"})
         durable = sorted(os.listdir(os.path.join(d, "durable")))
         committed = [
             s for s in durable if os.path.exists(os.path.join(d, "durable", s, ".metadata"))
@@ -67,6 +69,6 @@ def test_durable_failure_on_one_rank_is_an_error_on_every_rank() -> None:
     for outcome in results:
         assert outcome[1] == "ok" and outcome[3] == "ok", outcome
         assert "durable" in outcome[2] and "rank(s) [1]" in outcome[2], outcome[2]
-        assert outcome["seconds2"] < 30, "the error must not wait for a deadline"
+        assert outcome["seconds2"] < 100, "the error must not wait for a deadline"
         assert outcome["restored"] == 3 and outcome["exact"]
     assert committed == [], committed  # step 2 was the only durable save, and it failed

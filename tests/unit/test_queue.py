@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import signal
 import time
@@ -216,15 +217,19 @@ def test_bounded_memory_over_50_saves(tmp_path) -> None:
     path = tmp_path / "m.pt"
     ckpt.async_save(state, path)
     ckpt.finalize_async_save(blocking=True)
+    gc.collect()  # queues of earlier tests still awaiting collection must not move the counts
     base_rss = _helpers.rss_bytes()
     base_maps = _helpers.memfd_mappings()
     for _ in range(50):
         ckpt.async_save(state, path)
         ckpt.finalize_async_save(blocking=True)
-    growth = (_helpers.rss_bytes() - base_rss) / base_rss
+    gc.collect()
+    grown = _helpers.rss_bytes() - base_rss
     assert ckpt.queue.persistent_caller.staging_arenas_created == 1  # type: ignore[union-attr]
-    assert _helpers.memfd_mappings() == base_maps == 1
-    assert growth < 0.01, f"RSS grew {growth:.2%}"
+    assert _helpers.memfd_mappings() == base_maps
+    # 1 % (the benchmark's target), with a few MiB of slack for the allocator's own arenas:
+    # a leaked snapshot per save would be 16 MiB each, 800 MiB over the 50 saves.
+    assert grown < max(0.01 * base_rss, 8 << 20), f"RSS grew {grown / base_rss:.2%}"
     ckpt.close()
 
 
