@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -34,11 +35,59 @@ from .._format import (
 )
 from .._manifest import CopyInfo
 from ..base_state_dict import TensorAwareStateDict
-from ..replication import _chunked
+from ..replication import _chunked, _forward
 from . import _catalogue
 from ._manager_base import CkptID, ManagerBase
 
 logger = get_logger(__name__)
+
+
+class _Forwarding:
+    """This rank's part in one verification round's forwards (``replication._forward``):
+    the replicas it verifies while sending them on, and the receive of its own lost shard."""
+
+    def __init__(
+        self,
+        rank: int,
+        iteration: int,
+        plan: dict[int, tuple[int, CopyInfo]],
+        clique: _forward.CliqueGroup,
+    ) -> None:
+        self.rank, self.iteration, self.clique = rank, iteration, clique
+        self.receivers = {
+            copy.path: owner for owner, (sender, copy) in plan.items() if sender == rank
+        }
+        self.mine = plan.get(rank)
+        self.incoming: _chunked.IncomingBuffer | None = None
+
+    def post_receive(self) -> None:
+        """Post the receive of this rank's shard if a peer forwards it (before verifying)."""
+        if self.mine is not None:
+            sender, copy = self.mine
+            self.incoming = _forward.expect(copy, sender, self.clique)
+
+    def bind(self, try_verify: Any) -> Any:
+        """``try_verify`` that forwards the copies this rank sends on as it verifies them."""
+
+        def check(copy: CopyInfo) -> bool:
+            receiver = self.receivers.get(copy.path)
+            if receiver is None:
+                return bool(try_verify(copy))
+            return bool(try_verify(copy, read=lambda c: _forward.forward(c, receiver, self.clique)))
+
+        return check
+
+    def receive(self, verified: dict[CkptID, torch.Tensor], ckpt_id: CkptID) -> bool:
+        """Wait for this rank's forwarded shard; keep it as ``ckpt_id`` if it verifies."""
+        if self.incoming is None or self.mine is None:
+            return False
+        sender, copy = self.mine
+        buffer = _forward.received(self.incoming, copy, sender)
+        self.incoming = None
+        if buffer is None:
+            return False
+        verified[ckpt_id] = buffer
+        return True
 
 
 class RestoreSteps(ManagerBase):
@@ -81,9 +130,9 @@ class RestoreSteps(ManagerBase):
         logger.info("find_latest: iteration %d (%.3fs)", latest, time.perf_counter() - started)
         return latest
 
-    def _try_verify(self, copy: CopyInfo) -> bool:
+    def _try_verify(self, copy: CopyInfo, read: Any = None) -> bool:
         try:
-            buffer = self._read_copy(copy)
+            buffer = (read or self._read_copy)(copy)
         except (CorruptCheckpointError, OSError) as exc:
             logger.warning("bad local checkpoint file %s, treated as missing: %s", copy.path, exc)
             return False
@@ -106,13 +155,41 @@ class RestoreSteps(ManagerBase):
         }
         return [c for c in copies if c.owner == holder or c.owner not in present]
 
-    def _verify_all(self, copies: list[CopyInfo]) -> list[int]:
-        """Owners of the ``copies`` whose checksums verify (read in parallel)."""
+    def _verify_all(
+        self, copies: list[CopyInfo], forwarding: _Forwarding | None = None
+    ) -> list[int]:
+        """Owners of the ``copies`` whose checksums verify (read in parallel), with this
+        rank's own shard when ``forwarding`` brought it here verified."""
+        check = self._try_verify if forwarding is None else forwarding.bind(self._try_verify)
         if len(copies) <= 1:
-            return [c.owner for c in copies if self._try_verify(c)]
-        with ThreadPoolExecutor(min(len(copies), 4), "resilient_ckpt-verify") as pool:
-            results = list(pool.map(self._try_verify, copies))
-        return [c.owner for c, ok in zip(copies, results, strict=True) if ok]
+            owners = [c.owner for c in copies if check(c)]
+        else:
+            with ThreadPoolExecutor(min(len(copies), 4), "resilient_ckpt-verify") as pool:
+                results = list(pool.map(check, copies))
+            owners = [c.owner for c, ok in zip(copies, results, strict=True) if ok]
+        if forwarding is not None and forwarding.receive(
+            self._verified, self._ckpt_id(forwarding.iteration)
+        ):
+            owners.append(self.rank)
+        return owners
+
+    def _forwarding(self, iteration: int, use_replicas: bool) -> _Forwarding | None:
+        """The forwards of lost shards in this round (see ``replication._forward``); None
+        when every owner holds its copy or the clique cannot forward."""
+        if not use_replicas:
+            return None
+        world = self.world_size
+        present = {
+            r for r in range(world) if _catalogue.find_copy(self._catalogue, r, iteration, r)
+        }
+        if len(present) == world:
+            return None
+        clique = _forward.clique_for_forwarding(self.repl_strategy)
+        if clique is None:
+            return None
+        rounds = [self._first_round(h, iteration, use_replicas) for h in range(world)]
+        plan = _forward.forwards(rounds, present)
+        return _Forwarding(self.rank, iteration, plan, clique) if plan else None
 
     def _verify_iteration(
         self, iteration: int, use_replicas: bool
@@ -125,10 +202,17 @@ class RestoreSteps(ManagerBase):
         """
         me, world = self.rank, self.world_size
         first = self._first_round(me, iteration, use_replicas)
-        if use_replicas and not any(c.owner == me for c in first):
+        forwarding = self._forwarding(iteration, use_replicas)
+        if forwarding is not None:
+            forwarding.post_receive()
+        if (
+            use_replicas
+            and not any(c.owner == me for c in first)
+            and not (forwarding is not None and forwarding.incoming is not None)
+        ):
             self._expect_transfer(iteration)
         _, verified = agree_gather(
-            "local checkpoint verification", lambda: (None, self._verify_all(first))
+            "local checkpoint verification", lambda: (None, self._verify_all(first, forwarding))
         )
         owners_by_holder: list[list[int]] = [list(v) for v in verified]
         missing = [r for r in range(world) if not any(r in v for v in verified)]

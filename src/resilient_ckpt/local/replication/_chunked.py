@@ -31,11 +31,21 @@ import torch.distributed as dist
 from ..._checksum import crc32
 from ...errors import CheckpointingException
 
-__all__ = ["CHUNK_BYTES", "IncomingBuffer", "release_reserved", "reserve", "send_buffer"]
+__all__ = [
+    "CHUNK_BYTES",
+    "MAX_TAG",
+    "IncomingBuffer",
+    "bounds",
+    "post_send",
+    "release_reserved",
+    "reserve",
+    "send_buffer",
+    "split",
+]
 
 CHUNK_BYTES = 32 << 20
 _INDEX_BITS = 20  # chunks per buffer: 2**20 * 32 MiB, far beyond any shard
-_MAX_TAG = (1 << (31 - _INDEX_BITS)) - 1  # torch's tags are C ints
+MAX_TAG = (1 << (31 - _INDEX_BITS)) - 1  # torch's tags are C ints
 
 
 _reserved: dict[int, torch.Tensor] = {}
@@ -66,16 +76,24 @@ def _receive_buffer(size: int, device: torch.device) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8, device=device)
 
 
-def _chunks(buf: torch.Tensor) -> list[torch.Tensor]:
+def split(buf: torch.Tensor) -> list[torch.Tensor]:
+    """The chunks ``buf`` travels in (one per message), as views of it."""
     if buf.device.type != "cpu" or buf.numel() <= CHUNK_BYTES:
         return [buf]
     return list(torch.split(buf, CHUNK_BYTES))
 
 
+def bounds(size: int) -> list[int]:
+    """The byte count of each chunk of a host buffer of ``size`` bytes (see :func:`split`)."""
+    if size <= CHUNK_BYTES:
+        return [size]
+    return [min(CHUNK_BYTES, size - start) for start in range(0, size, CHUNK_BYTES)]
+
+
 def _chunk_tag(tag: int, index: int) -> int:
-    if not 0 <= tag <= _MAX_TAG:
+    if not 0 <= tag <= MAX_TAG:
         raise CheckpointingException(
-            f"exchange plan too long: transfer #{tag} exceeds {_MAX_TAG} transfers per group"
+            f"exchange plan too long: transfer #{tag} exceeds {MAX_TAG} transfers per group"
         )
     return (tag << _INDEX_BITS) | index
 
@@ -86,12 +104,16 @@ def _posted(work: Any, what: str, peer: int) -> Any:
     return work
 
 
+def post_send(chunk: torch.Tensor, index: int, peer: int, group: Any, tag: int) -> Any:
+    """Post the send of chunk ``index`` of a transfer to global rank ``peer``; wait for it."""
+    return _posted(
+        dist.isend(chunk, peer, group=group, tag=_chunk_tag(tag, index)), "send to", peer
+    )
+
+
 def send_buffer(buf: torch.Tensor, peer: int, group: Any, tag: int) -> list[Any]:
     """Post the sends of ``buf`` to global rank ``peer``; wait for the returned works."""
-    return [
-        _posted(dist.isend(chunk, peer, group=group, tag=_chunk_tag(tag, i)), "send to", peer)
-        for i, chunk in enumerate(_chunks(buf))
-    ]
+    return [post_send(chunk, i, peer, group, tag) for i, chunk in enumerate(split(buf))]
 
 
 class IncomingBuffer:
@@ -99,7 +121,7 @@ class IncomingBuffer:
 
     def __init__(self, size: int, peer: int, group: Any, tag: int, device: torch.device) -> None:
         self.buffer = _receive_buffer(size, device)
-        self._chunks = _chunks(self.buffer)
+        self._chunks = split(self.buffer)
         self._works = [
             _posted(
                 dist.irecv(chunk, peer, group=group, tag=_chunk_tag(tag, i)), "receive from", peer
