@@ -346,3 +346,37 @@ def test_local_warmup_needs_a_tensor_aware_state_dict(tmp_path) -> None:
     manager = LocalCheckpointManager(str(tmp_path), "s")
     with pytest.raises(ConfigurationError, match="BasicTensorAwareStateDict"):
         manager.warmup({"w": torch.ones(2)})  # type: ignore[arg-type]
+
+
+def _walk_states() -> list[dict]:
+    return [
+        {"model": {f"l{i}": torch.rand(4) for i in range(20)}, "step": 3, "lr": 0.1},
+        {"a": torch.rand(2), "b": torch.nn.Parameter(torch.rand(2)), "c": 1, "d": None},
+        {"a": torch.rand(2, requires_grad=True), "b": "x", "c": torch.rand(3).double()},
+        {"opt": {"state": {0: {"m": torch.rand(3), "step": 1}}, "groups": [{"lr": 1}]}},
+        {"a": 1, "b": 2.0, "c": b"raw", "e": [1, 2]},
+        {},
+    ]
+
+
+def test_walk_of_uniform_mappings_equals_the_entry_by_entry_walk(monkeypatch) -> None:
+    """The C-level walk of mappings of one tensor type (beside scalars) gives exactly the
+    tokens, leaves and keys of the entry-by-entry walk, so the plan record means the same;
+    a changed requires_grad still changes the keys."""
+    from resilient_ckpt.async_ckpt import _fast_plan
+
+    states = _walk_states()
+    fast = [_fast_plan.walk(state) for state in states]
+    with monkeypatch.context() as patch:
+        patch.setattr(_fast_plan, "_UNIFORM_KEYS", {})
+        patch.setattr(_fast_plan, "_SCALARS", frozenset())
+        slow = [_fast_plan.walk(state) for state in states]
+    assert fast[3] is None and slow[3] is None  # a list of dicts: not modelled, either way
+    for got, want in zip(fast[:3] + fast[4:], slow[:3] + slow[4:], strict=True):
+        assert got is not None and want is not None
+        assert got[0] == want[0] and got[2] == want[2]
+        assert len(got[1]) == len(want[1])
+        assert all(a is b for a, b in zip(got[1], want[1], strict=True))
+    states[0]["model"]["l3"].requires_grad_(True)
+    changed = _fast_plan.walk(states[0])
+    assert changed is not None and fast[0] is not None and changed[2] != fast[0][2]

@@ -29,6 +29,7 @@ matched the same planning generation.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,9 +68,37 @@ def _leaf(value: Any, tokens: list, keys: list) -> None:
         tokens.append(kind)
 
 
+# A mapping whose values are tensors of one of these exact types (a model's or an optimizer
+# state's parameters, typically), possibly beside plain scalars, is walked by C-level
+# ``map`` calls, ~0.2 us per entry: the same tokens and keys as the loop below, without a
+# Python step per entry.
+_UNIFORM_KEYS: dict[type, Any] = {
+    DTensor: operator.attrgetter("_spec", "requires_grad"),
+    torch.Tensor: operator.attrgetter("shape", "dtype", "requires_grad", "layout"),
+    torch.nn.Parameter: operator.attrgetter("shape", "dtype", "requires_grad", "layout"),
+}
+
+
+# Leaves whose token is their type alone (see ``_leaf``).
+_SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})
+
+
 def _walk(mapping: Mapping, tokens: list, leaves: list, keys: list) -> None:
     tokens.append((type(mapping), tuple(mapping)))
-    for value in mapping.values():
+    values = list(mapping.values())
+    kinds = list(map(type, values))
+    distinct = set(kinds)
+    tensor_kinds = distinct - _SCALARS
+    if not tensor_kinds or (len(tensor_kinds) == 1 and tensor_kinds <= _UNIFORM_KEYS.keys()):
+        # Leaves only, of one tensor type at most: tokens are the types, keys the tensors'.
+        tokens.extend(kinds)
+        leaves.extend(values)
+        if tensor_kinds:
+            (kind,) = tensor_kinds
+            tensors = values if len(distinct) == 1 else [v for v in values if type(v) is kind]
+            keys.extend(map(_UNIFORM_KEYS[kind], tensors))
+        return
+    for value in values:
         kind = type(value)
         if kind is DTensor:  # the common leaves inline: ~1 us per entry matters here
             leaves.append(value)
