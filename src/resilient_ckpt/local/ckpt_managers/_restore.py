@@ -36,6 +36,7 @@ from .._format import (
 from .._manifest import CopyInfo
 from ..base_state_dict import TensorAwareStateDict
 from ..replication import _chunked, _forward
+from ..replication.group_utils import CliqueGroup
 from . import _catalogue
 from ._manager_base import CkptID, ManagerBase
 
@@ -51,13 +52,19 @@ class _Forwarding:
         rank: int,
         iteration: int,
         plan: dict[int, tuple[int, CopyInfo]],
-        clique: _forward.CliqueGroup,
+        clique: CliqueGroup,
     ) -> None:
         self.rank, self.iteration, self.clique = rank, iteration, clique
+        # Only within this rank's clique, the group the chunks travel in: both ends see
+        # the same (cliques partition the ranks), so a pair outside one acts on neither.
+        members = set(clique.ranks)
         self.receivers = {
-            copy.path: owner for owner, (sender, copy) in plan.items() if sender == rank
+            copy.path: owner
+            for owner, (sender, copy) in plan.items()
+            if sender == rank and owner in members
         }
-        self.mine = plan.get(rank)
+        mine = plan.get(rank)
+        self.mine = mine if mine is not None and mine[0] in members else None
         self.incoming: _chunked.IncomingBuffer | None = None
 
     def post_receive(self) -> None:
@@ -160,6 +167,8 @@ class RestoreSteps(ManagerBase):
     ) -> list[int]:
         """Owners of the ``copies`` whose checksums verify (read in parallel), with this
         rank's own shard when ``forwarding`` brought it here verified."""
+        if forwarding is not None:
+            forwarding.post_receive()
         check = self._try_verify if forwarding is None else forwarding.bind(self._try_verify)
         if len(copies) <= 1:
             owners = [c.owner for c in copies if check(c)]
@@ -203,13 +212,8 @@ class RestoreSteps(ManagerBase):
         me, world = self.rank, self.world_size
         first = self._first_round(me, iteration, use_replicas)
         forwarding = self._forwarding(iteration, use_replicas)
-        if forwarding is not None:
-            forwarding.post_receive()
-        if (
-            use_replicas
-            and not any(c.owner == me for c in first)
-            and not (forwarding is not None and forwarding.incoming is not None)
-        ):
+        forwarded = forwarding is not None and forwarding.mine is not None
+        if use_replicas and not any(c.owner == me for c in first) and not forwarded:
             self._expect_transfer(iteration)
         _, verified = agree_gather(
             "local checkpoint verification", lambda: (None, self._verify_all(first, forwarding))
