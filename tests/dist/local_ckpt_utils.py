@@ -16,6 +16,7 @@ from resilient_ckpt.local import (
     CliqueReplicationStrategy,
     LocalCheckpointManager,
 )
+from resilient_ckpt.local._manifest import file_name
 from resilient_ckpt.utils import diff
 
 Repl = tuple[int, int] | None  # (jump, factor)
@@ -136,6 +137,29 @@ def listing(root: str) -> list[str]:
 
 def barrier() -> None:
     dist.barrier()
+
+
+def copy_path(root: str, holder: int, iteration: int, owner: int) -> str:
+    """Where ``holder`` keeps its copy of ``owner``'s shard of ``iteration``."""
+    return os.path.join(rank_dir(root, holder), file_name(iteration, owner))
+
+
+def flip_byte(path: str) -> None:
+    """Corrupt one byte in the middle of ``path``."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def save_two(rank: int, base: str, strat: object) -> dict[int, dict]:
+    """Iterations 10 and 20 saved (kept both); the states saved, by iteration."""
+    mgr = manager(base, strat, keep_latest=2)
+    states = {it: make_state(rank, it) for it in (10, 20)}
+    for it, state in states.items():
+        mgr.save(BasicTensorAwareStateDict(clone_state(state)), it)
+    return states
 
 
 class LogCapture(logging.Handler):

@@ -12,59 +12,42 @@ import os
 
 import pytest
 
-from resilient_ckpt.local import BasicTensorAwareStateDict
-from resilient_ckpt.local._manifest import file_name
 from resilient_ckpt.testing import launch
 
 from .local_ckpt_utils import (
     LogCapture,
     assert_same,
     barrier,
-    clone_state,
+    copy_path,
+    flip_byte,
     listing,
     load_fresh,
-    make_state,
-    manager,
-    rank_dir,
+    save_two,
     strategy,
 )
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
 
 
-def _copy_path(root: str, holder: int, iteration: int, owner: int) -> str:
-    return os.path.join(rank_dir(root, holder), file_name(iteration, owner))
 
 
-def _flip_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x5A]))
 
 
-def _damage(rank: int, paths_by_rank: dict[int, list[str]], how=_flip_byte) -> None:
+def _damage(rank: int, paths_by_rank: dict[int, list[str]], how=flip_byte) -> None:
     barrier()
     for path in paths_by_rank.get(rank, []):
         how(path)
     barrier()
 
 
-def _save_two(rank: int, base: str, strat: object) -> dict[int, dict]:
-    mgr = manager(base, strat, keep_latest=2)
-    states = {it: make_state(rank, it) for it in (10, 20)}
-    for it, state in states.items():
-        mgr.save(BasicTensorAwareStateDict(clone_state(state)), it)
-    return states
 
 
 def _replicated(rank: int, root: str, log: LogCapture) -> None:
     base = os.path.join(root, "repl")
     strat = strategy((1, 2))  # cliques {0, 1} and {2, 3}
-    states = _save_two(rank, base, strat)
+    states = save_two(rank, base, strat)
 
-    bad = _copy_path(base, 1, 20, 1)
+    bad = copy_path(base, 1, 20, 1)
     _damage(rank, {1: [bad]})
     latest, loaded = load_fresh(base, strat, keep_latest=2)
     assert latest == 20
@@ -72,13 +55,13 @@ def _replicated(rank: int, root: str, log: LogCapture) -> None:
     if rank == 1:
         assert any(bad in m and "checksum mismatch" in m for m in log.messages), log.messages
 
-    _damage(rank, {2: [_copy_path(base, 2, 20, 2)], 3: [_copy_path(base, 3, 20, 2)]})
+    _damage(rank, {2: [copy_path(base, 2, 20, 2)], 3: [copy_path(base, 3, 20, 2)]})
     latest, loaded = load_fresh(base, strat, keep_latest=2)
     assert latest == 10, "no valid copy of shard 2: iteration 20 must not be complete"
     assert_same(states[10], loaded, f"rank {rank}: fallback to iteration 10")
     assert not any(name.startswith(f"iter_{20:07d}") for name in listing(base))
 
-    _damage(rank, {0: [_copy_path(base, 0, 10, 0)], 1: [_copy_path(base, 1, 10, 0)]})
+    _damage(rank, {0: [copy_path(base, 0, 10, 0)], 1: [copy_path(base, 1, 10, 0)]})
     assert load_fresh(base, strat, keep_latest=2)[0] == -1
 
 
@@ -89,12 +72,12 @@ def _truncate(path: str) -> None:
 
 def _unreplicated(rank: int, root: str) -> None:
     base = os.path.join(root, "plain")
-    states = _save_two(rank, base, None)
-    _damage(rank, {3: [_copy_path(base, 3, 20, 3)]})
+    states = save_two(rank, base, None)
+    _damage(rank, {3: [copy_path(base, 3, 20, 3)]})
     latest, loaded = load_fresh(base, None, keep_latest=2)
     assert latest == 10
     assert_same(states[10], loaded, f"rank {rank}: fallback without replication")
-    _damage(rank, {0: [_copy_path(base, 0, 10, 0)]}, how=_truncate)
+    _damage(rank, {0: [copy_path(base, 0, 10, 0)]}, how=_truncate)
     assert load_fresh(base, None, keep_latest=2)[0] == -1
 
 

@@ -12,34 +12,25 @@ import shutil
 
 import pytest
 
-from resilient_ckpt.local import BasicTensorAwareStateDict
-from resilient_ckpt.local._manifest import file_name
 from resilient_ckpt.testing import launch
 
 from .local_ckpt_utils import (
     LogCapture,
     assert_same,
     barrier,
-    clone_state,
-    make_state,
+    copy_path,
+    flip_byte,
     manager,
     rank_dir,
+    save_two,
     strategy,
 )
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault, pytest.mark.timeout(240)]
 
 
-def _replica(root: str, holder: int, iteration: int, owner: int) -> str:
-    return os.path.join(rank_dir(root, holder), file_name(iteration, owner))
 
 
-def _flip_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x5A]))
 
 
 def _truncate(path: str) -> None:
@@ -47,12 +38,6 @@ def _truncate(path: str) -> None:
         f.truncate(os.path.getsize(path) // 3)
 
 
-def _save(rank: int, base: str, strat: object) -> dict[int, dict]:
-    mgr = manager(base, strat, keep_latest=2)
-    states = {it: make_state(rank, it) for it in (10, 20)}
-    for it, state in states.items():
-        mgr.save(BasicTensorAwareStateDict(clone_state(state)), it)
-    return states
 
 
 def _lose_node(rank: int, base: str, lost: int, damage: dict[str, object]) -> None:
@@ -80,7 +65,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     facts: dict = {}
 
     base = os.path.join(root, "lost")
-    states = _save(rank, base, strat)
+    states = save_two(rank, base, strat)
     _lose_node(rank, base, 1, {})
     latest, state, had_own = _restore(base, strat)
     assert latest == 20, latest
@@ -88,11 +73,11 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     facts["forwarded_before_load"] = had_own
     facts["forward_logged"] = any("forwarding the replica" in m for m in log.messages)
 
-    for name, how in (("corrupt", _flip_byte), ("truncated", _truncate)):
+    for name, how in (("corrupt", flip_byte), ("truncated", _truncate)):
         base = os.path.join(root, name)
-        states = _save(rank, base, strat)
+        states = save_two(rank, base, strat)
         log.messages.clear()
-        _lose_node(rank, base, 1, {_replica(base, 0, 20, 1): how})
+        _lose_node(rank, base, 1, {copy_path(base, 0, 20, 1): how})
         latest, state, _ = _restore(base, strat)
         assert latest == 10, f"{name} replica: iteration 20 must not be complete"
         assert_same(states[10], state, f"rank {rank}: {name} replica, fallback to 10")
@@ -111,9 +96,9 @@ def test_lost_shard_is_forwarded_while_verified_and_bad_replicas_are_rejected(tm
 def _three_ranks(rank: int, world: int, root: str) -> bool:
     strat = strategy((1, 3))  # one clique {0, 1, 2}: every rank holds every shard
     base = os.path.join(root, "three")
-    states = _save(rank, base, strat)
+    states = save_two(rank, base, strat)
     # Rank 1 is lost; rank 0 (the designated forwarder) holds a corrupt replica of it.
-    _lose_node(rank, base, 1, {_replica(base, 0, 20, 1): _flip_byte})
+    _lose_node(rank, base, 1, {copy_path(base, 0, 20, 1): flip_byte})
     latest, state, had_own = _restore(base, strat)
     assert latest == 20, latest
     assert_same(states[20], state, f"rank {rank}: shard 1 from rank 2's replica")
@@ -121,5 +106,5 @@ def _three_ranks(rank: int, world: int, root: str) -> bool:
     return True
 
 
-def test_a_corrupt_forward_falls_back_to_another_replica(tmp_path):
+def test_a_corrupt_forward_falls_back_to_anothercopy_path(tmp_path):
     assert launch(_three_ranks, 3, str(tmp_path), timeout=200) == [True] * 3
