@@ -380,3 +380,24 @@ def test_walk_of_uniform_mappings_equals_the_entry_by_entry_walk(monkeypatch) ->
     states[0]["model"]["l3"].requires_grad_(True)
     changed = _fast_plan.walk(states[0])
     assert changed is not None and fast[0] is not None and changed[2] != fast[0][2]
+
+
+def test_local_walk_of_a_dict_of_tensors_makes_the_loop_tokens() -> None:
+    """The local shard cache's C-level walk of a dict of tensors of one type gives the same
+    per-tensor tokens as its entry-by-entry walk (here: of the same tensors in a list), and a
+    changed requires_grad or dtype still changes them."""
+    from resilient_ckpt.local import _shard_cache
+
+    tensors = [torch.rand(3), torch.rand(2, 2).t(), torch.rand(1, requires_grad=True)]
+    by_dict = _shard_cache.walk({f"t{i}": t for i, t in enumerate(tensors)})
+    by_list = _shard_cache.walk(tensors)
+    assert by_dict is not None and by_list is not None
+    assert by_dict[0][1:] == by_list[0][1:]
+    assert all(a is b for a, b in zip(by_dict[1], by_list[1], strict=True))
+    params = {"p": torch.nn.Parameter(torch.rand(2)), "q": torch.nn.Parameter(torch.rand(2))}
+    walked = _shard_cache.walk(params)
+    assert walked is not None and walked[0][1][0] is torch.nn.Parameter
+    tensors[0].requires_grad_(True)
+    tensors[1] = tensors[1].double()
+    changed = _shard_cache.walk({f"t{i}": t for i, t in enumerate(tensors)})
+    assert changed is not None and changed[0][1] != by_dict[0][1] and changed[0][2] != by_dict[0][2]

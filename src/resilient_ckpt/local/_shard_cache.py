@@ -4,8 +4,9 @@ Decision: :func:`._format.plan_shard` pops every tensor of the state (a placehol
 each), records where each tensor's bytes go, pickles the hollow state with those records
 as the shard header, and puts the tensors back: ~15 us per tensor, repeated identically
 while a job saves the same structure. For a :class:`BasicTensorAwareStateDict` (plain nested
-dicts, lists and tuples) this cache instead walks the state once (~1 us per entry) and
-compares it with the state the cached layout was planned from:
+dicts, lists and tuples) this cache instead walks the state once (~1 us per entry, ~0.2 us
+in a dict of tensors of one type) and compares it with the state the cached layout was
+planned from:
 
 * every container's type and keys (dicts) or length (lists, tuples), in order;
 * for every tensor, what its placeholder and record hold: type, shape, dtype, device,
@@ -22,6 +23,7 @@ object by object), and only for states whose tensors are on their home devices.
 
 from __future__ import annotations
 
+import operator
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -38,11 +40,24 @@ class _Unsupported(Exception):
     pass
 
 
+# A tensor's token; for a dict of tensors of one type (a model's parameters) the tokens are
+# made by C-level ``map`` calls, the same tuples as the loop makes one by one.
+_TENSOR_TOKEN = operator.attrgetter(
+    "__class__", "shape", "dtype", "device", "layout", "requires_grad"
+)
+
+
 def _walk(obj: Any, tokens: list, tensors: list) -> None:
     kind = type(obj)
     if kind is dict:
         tokens.append((kind, tuple(obj)))
-        for value in obj.values():
+        values = list(obj.values())
+        kinds = list(map(type, values))
+        if values and kinds[0] in _TENSORS and kinds.count(kinds[0]) == len(kinds):
+            tensors.extend(values)
+            tokens.extend(map(_TENSOR_TOKEN, values))
+            return
+        for value in values:
             _walk(value, tokens, tensors)
     elif kind is list or kind is tuple:
         tokens.append((kind, len(obj)))
