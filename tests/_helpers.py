@@ -85,3 +85,12 @@ def rss_bytes() -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
+
+
+def flip_byte(path: str) -> None:
+    """Corrupt one byte in the middle of ``path`` (checksums must catch it)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))

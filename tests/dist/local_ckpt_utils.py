@@ -18,6 +18,7 @@ from resilient_ckpt.local import (
 )
 from resilient_ckpt.local._manifest import file_name
 from resilient_ckpt.utils import diff
+from tests._helpers import flip_byte as flip_byte  # (re-exported for the local tests)
 
 Repl = tuple[int, int] | None  # (jump, factor)
 
@@ -144,13 +145,6 @@ def copy_path(root: str, holder: int, iteration: int, owner: int) -> str:
     return os.path.join(rank_dir(root, holder), file_name(iteration, owner))
 
 
-def flip_byte(path: str) -> None:
-    """Corrupt one byte in the middle of ``path``."""
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x5A]))
 
 
 def save_two(rank: int, base: str, strat: object) -> dict[int, dict]:

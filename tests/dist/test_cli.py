@@ -17,6 +17,7 @@ from resilient_ckpt.local import (
     LocalCheckpointManager,
 )
 from resilient_ckpt.testing import launch
+from tests._helpers import flip_byte
 
 pytestmark = pytest.mark.dist
 
@@ -64,12 +65,6 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def _flip(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_ls_lists_every_kind(ckpts, capsys) -> None:
@@ -122,13 +117,13 @@ def test_verify_detects_damage_and_names_the_file(ckpts, capsys, tmp_path) -> No
     assert _run(capsys, "verify", ckpts["ours"])[0] == 0
     assert _run(capsys, "verify", ckpts["local"])[0] == 0
     data = sorted(n for n in os.listdir(ckpts["ours"]) if n.endswith(".distcp"))[0]
-    _flip(os.path.join(ckpts["ours"], data))
+    flip_byte(os.path.join(ckpts["ours"], data))
     code, out = _run(capsys, "--json", "verify", ckpts["ours"])
     report = json.loads(out)
     assert code == 1 and report["ok"] is False
     assert data in " ".join(report["checkpoints"][0]["problems"])
     victim = os.path.join(ckpts["local"], "1", "iter_0000007_1_local.pt")
-    _flip(victim)
+    flip_byte(victim)
     code, out = _run(capsys, "verify", ckpts["local"])
     assert code == 1 and victim in out and "checksum" in out
     code = main(["verify", str(tmp_path / "nothing")])

@@ -11,6 +11,7 @@ import torch
 
 from resilient_ckpt.cli import main
 from resilient_ckpt.testing import launch
+from tests._helpers import flip_byte
 
 pytestmark = pytest.mark.dist
 
@@ -44,12 +45,6 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def _flip(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 @pytest.mark.timeout(180)
@@ -80,7 +75,7 @@ def test_ls_inspect_verify_show_both_tiers(tiers, capsys) -> None:
     assert code == 0 and "3 checkpoint(s) checked, 0 failed" in out
     # A flipped byte in the only remaining copy of rank 1's shard: named, and a failure.
     victim = os.path.join(memory, "0", "step_000000002", "__1_0.distcp")
-    _flip(victim)
+    flip_byte(victim)
     code, out = _run(capsys, "verify", memory)
     assert code == 1 and victim in out and "CRC32" in out
     code, out = _run(capsys, "--json", "ls", memory, "--verify")

@@ -368,7 +368,7 @@ def test_walk_of_uniform_mappings_equals_the_entry_by_entry_walk(monkeypatch) ->
     states = _walk_states()
     fast = [_fast_plan.walk(state) for state in states]
     with monkeypatch.context() as patch:
-        patch.setattr(_fast_plan, "_UNIFORM_KEYS", {})
+        patch.setattr(_fast_plan, "_UNIFORM", frozenset())
         patch.setattr(_fast_plan, "_SCALARS", frozenset())
         slow = [_fast_plan.walk(state) for state in states]
     assert fast[3] is None and slow[3] is None  # a list of dicts: not modelled, either way

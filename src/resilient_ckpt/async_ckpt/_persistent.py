@@ -90,8 +90,7 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
         :mod:`._snapshot`); the request reaches the worker at :meth:`wait_for_snapshot`
         (called implicitly by every other method of this caller, so it is never lost).
         """
-        self._settle_snapshot()
-        self._drain()
+        self._drain()  # settles a pending snapshot first
         self.start(wait_ready=False)
         call_idx = async_req.call_idx
         started = time.perf_counter()

@@ -36,7 +36,7 @@ from .. import _checksum
 from ..config import local_load_mmap
 from ..errors import CorruptCheckpointError
 
-__all__ = ["check_against_manifest", "read_verified"]
+__all__ = ["check_against_manifest", "map_private", "read_verified"]
 
 READ_CHUNK = 64 << 20  # larger reads measured faster on a cold cache
 
@@ -66,8 +66,12 @@ def check_against_manifest(path: str, got: int, value: int, size: int, crc32: in
         )
 
 
-def _map_verified(path: str, size: int, expected_crc: int) -> torch.Tensor | None:
-    """The verified file as a tensor over a private mapping; None if it cannot be mapped."""
+def map_private(path: str, size: int, expected_crc: int) -> mmap.mmap | None:
+    """A private (copy-on-write) mapping of ``path``; None if it is empty or cannot be mapped.
+
+    Raises ``CorruptCheckpointError`` if its size is not the manifest's ``size``, ``OSError``
+    if it cannot be opened.
+    """
     with open(path, "rb") as f:
         actual = os.fstat(f.fileno()).st_size
         if actual != size:
@@ -75,9 +79,16 @@ def _map_verified(path: str, size: int, expected_crc: int) -> torch.Tensor | Non
         if size == 0:
             return None
         try:
-            mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
         except (OSError, ValueError):
             return None
+
+
+def _map_verified(path: str, size: int, expected_crc: int) -> torch.Tensor | None:
+    """The verified file as a tensor over a private mapping; None if it cannot be mapped."""
+    mapping = map_private(path, size, expected_crc)
+    if mapping is None:
+        return None
     try:
         _advise(mapping, "MADV_SEQUENTIAL")
         with memoryview(mapping) as view:

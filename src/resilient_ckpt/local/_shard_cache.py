@@ -41,7 +41,7 @@ class _Unsupported(Exception):
 
 
 # A tensor's token; for a dict of tensors of one type (a model's parameters) the tokens are
-# made by C-level ``map`` calls, the same tuples as the loop makes one by one.
+# made by C-level ``map`` calls, one by one elsewhere.
 _TENSOR_TOKEN = operator.attrgetter(
     "__class__", "shape", "dtype", "device", "layout", "requires_grad"
 )
@@ -65,7 +65,7 @@ def _walk(obj: Any, tokens: list, tensors: list) -> None:
             _walk(value, tokens, tensors)
     elif kind in _TENSORS:
         tensors.append(obj)
-        tokens.append((kind, obj.shape, obj.dtype, obj.device, obj.layout, obj.requires_grad))
+        tokens.append(_TENSOR_TOKEN(obj))
     elif kind is float:
         tokens.append((kind, obj.hex()))  # exact: 0.0 == -0.0 but they pickle apart
     elif kind in _EXACT:

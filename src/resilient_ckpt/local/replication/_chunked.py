@@ -35,7 +35,7 @@ __all__ = [
     "CHUNK_BYTES",
     "MAX_TAG",
     "IncomingBuffer",
-    "bounds",
+    "chunk_count",
     "post_send",
     "release_reserved",
     "reserve",
@@ -83,11 +83,9 @@ def split(buf: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.split(buf, CHUNK_BYTES))
 
 
-def bounds(size: int) -> list[int]:
-    """The byte count of each chunk of a host buffer of ``size`` bytes (see :func:`split`)."""
-    if size <= CHUNK_BYTES:
-        return [size]
-    return [min(CHUNK_BYTES, size - start) for start in range(0, size, CHUNK_BYTES)]
+def chunk_count(size: int) -> int:
+    """How many chunks :func:`split` makes of a host buffer of ``size`` bytes."""
+    return max(1, -(-size // CHUNK_BYTES))
 
 
 def _chunk_tag(tag: int, index: int) -> int:

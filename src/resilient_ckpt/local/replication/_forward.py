@@ -24,8 +24,6 @@ Rules that keep it safe:
 
 from __future__ import annotations
 
-import mmap
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +32,7 @@ import torch
 from ..._checksum import crc32
 from ..._logging import get_logger
 from .._manifest import CopyInfo
-from .._reader import check_against_manifest
+from .._reader import check_against_manifest, map_private
 from . import _chunked
 from .group_utils import CliqueGroup
 
@@ -69,15 +67,6 @@ def forwards(
     return chosen
 
 
-def _map(path: str, size: int) -> tuple[torch.Tensor, Any] | None:
-    """The file as a tensor over a private mapping (and the mapping); None if it cannot be."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size != size or size == 0:
-            return None
-        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    return torch.frombuffer(mapping, dtype=torch.uint8), mapping
-
-
 def read_and_forward(copy: CopyInfo, send: Callable[[torch.Tensor, int], Any]) -> torch.Tensor:
     """The bytes of ``copy`` verified, each chunk handed to ``send(chunk, index)`` as soon as
     it is checksummed; every chunk is sent even when the file cannot be read (zeros).
@@ -87,12 +76,14 @@ def read_and_forward(copy: CopyInfo, send: Callable[[torch.Tensor, int], Any]) -
     sent = 0
     works: list[Any] = []
     try:
-        mapped = _map(copy.path, copy.size)
-        if mapped is None:  # wrong size or empty: the check below names the problem
-            check_against_manifest(copy.path, os.path.getsize(copy.path), 0, copy.size, copy.crc32)
+        mapping = map_private(copy.path, copy.size, copy.crc32)  # checks the size
+        if mapping is None:
+            if copy.size:
+                raise OSError(f"{copy.path}: cannot be mapped to be forwarded")
+            check_against_manifest(copy.path, 0, 0, 0, copy.crc32)
             buffer = torch.empty(0, dtype=torch.uint8)
         else:
-            buffer = mapped[0]
+            buffer = torch.frombuffer(mapping, dtype=torch.uint8)
             value = 0
             for index, chunk in enumerate(_chunked.split(buffer)):
                 array: Any = chunk.numpy()
@@ -102,7 +93,7 @@ def read_and_forward(copy: CopyInfo, send: Callable[[torch.Tensor, int], Any]) -
             check_against_manifest(copy.path, copy.size, value, copy.size, copy.crc32)
         return buffer
     finally:
-        if sent < len(_chunked.bounds(copy.size)):  # failed early: zeros, so nobody waits
+        if sent < _chunked.chunk_count(copy.size):  # failed early: zeros, so nobody waits
             filler = torch.zeros(copy.size, dtype=torch.uint8)
             for index, chunk in enumerate(_chunked.split(filler)):
                 if index >= sent:
