@@ -27,12 +27,14 @@ Only requests whose tensors are all strided CPU tensors are cached (device tenso
 their device copies; by-value tensors would repeat stale values). The cache holds no
 reference to any tensor: only the keys (plain values) and the plan.
 
-Cost per tensor on a hit: one reducer call (an append) and one layout key (~0.7 us), against
-~5 us for the full reducer plus a per-save coalesce and split.
+Cost per tensor on a hit: one reducer call (an append) and its share of the layout keys'
+C-level column passes (~0.5 us warm, a few us when the tensors are cache-cold after a
+training step), against ~5 us for the full reducer plus a per-save coalesce and split.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -50,24 +52,24 @@ class _Miss(Exception):
     """The optimistic pickle met more tensors than the cached request had."""
 
 
-def layout_keys(tensors: list[torch.Tensor]) -> list[tuple]:
-    """Each tensor's layout key (see the module docstring); raises for tensors without a
-    strided storage, which the caller treats as a miss."""
-    return [
-        (
-            type(t),
-            t.device,
-            t.layout,
-            t.dtype,
-            t.shape,
-            t.stride(),
-            t.storage_offset(),
-            t.requires_grad,
-            (s := t.untyped_storage()).data_ptr(),
-            s.nbytes(),
-        )
-        for t in tensors
-    ]
+# One C-level call per tensor for the fields that are plain attributes.
+_ATTRIBUTES = operator.attrgetter("device", "layout", "dtype", "shape", "requires_grad")
+
+
+def layout_keys(tensors: list[torch.Tensor]) -> tuple[list, ...]:
+    """The tensors' layout keys (see the module docstring) as columns, one list per field,
+    each filled by a C-level ``map``: ~0.5 us per tensor, not ~0.9 for a tuple built in
+    Python per tensor. Raises for tensors without a strided storage, which the caller
+    treats as a miss."""
+    storages = list(map(torch.Tensor.untyped_storage, tensors))
+    return (
+        list(map(type, tensors)),
+        list(map(_ATTRIBUTES, tensors)),
+        list(map(torch.Tensor.stride, tensors)),
+        list(map(torch.Tensor.storage_offset, tensors)),
+        list(map(torch.UntypedStorage.data_ptr, storages)),
+        list(map(torch.UntypedStorage.nbytes, storages)),
+    )
 
 
 class _Guess:
@@ -96,7 +98,7 @@ class StageCache:
 
     def __init__(self) -> None:
         self._reduced: list[Any] | None = None
-        self._keys: list[tuple] = []
+        self._keys: tuple[list, ...] = ()
         self._slots: tuple[Slot, ...] = ()
         self._total = 0
         self._threads = 0
@@ -106,7 +108,7 @@ class StageCache:
 
     def clear(self) -> None:
         self._reduced = None
-        self._keys = []
+        self._keys = ()
         self._shares = []
 
     def remember(
@@ -153,7 +155,7 @@ class StageCache:
         guess = _Guess(self._reduced)
         try:
             payload = dump(obj, guess)
-            if len(guess.tensors) != len(self._keys) or layout_keys(guess.tensors) != self._keys:
+            if len(guess.tensors) != len(self._reduced) or layout_keys(guess.tensors) != self._keys:
                 return None
         except Exception:  # _Miss, or anything the full path will report properly
             return None
