@@ -82,3 +82,34 @@ def test_channel_rejects_mismatched_kind() -> None:
         right.recv()
     left.close()
     right.close()
+
+
+def _wmem_max() -> int:
+    try:
+        with open("/proc/sys/net/core/wmem_max") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
+@pytest.mark.skipif(_wmem_max() < 1 << 20, reason="the kernel caps socket buffers below 1 MB")
+def test_a_widened_channel_queues_a_large_payload_without_its_reader() -> None:
+    import multiprocessing as mp
+    import threading
+
+    from resilient_ckpt.async_ckpt._messages import Submit, widen_send_buffer
+
+    a, b = mp.Pipe()
+    widen_send_buffer(a)
+    left, right = Channel(a), Channel(b)
+    # About what a request of thousands of tensors pickles to.
+    body = Submit(call_idx=1, arena_id=None, slots=(), payload=bytes(600_000))
+    sender = threading.Thread(target=left.send, args=(body,), daemon=True)
+    sender.start()
+    sender.join(timeout=10)
+    try:
+        assert not sender.is_alive(), "the send waited for the reader"
+        assert right.recv() == body
+    finally:
+        left.close()
+        right.close()

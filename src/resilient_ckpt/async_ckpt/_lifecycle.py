@@ -22,7 +22,7 @@ from . import _worker
 from ._arena import ArenaPool
 from ._callers import LocalStatus, exit_description
 from ._completion import State
-from ._messages import Channel, Hello
+from ._messages import Channel, Hello, widen_send_buffer
 
 logger = get_logger(__name__)
 
@@ -59,6 +59,7 @@ class WorkerLifecycle:
             self.rank = rank if rank is not None else _dist.rank()
             ctx = mp.get_context("spawn")
             parent_conn, child_conn = ctx.Pipe(duplex=True)
+            widen_send_buffer(parent_conn)
             level = logging.getLogger("resilient_ckpt").getEffectiveLevel()
             self.process = ctx.Process(
                 target=_worker.main,

@@ -19,13 +19,18 @@ Conversation::
 from __future__ import annotations
 
 import enum
+import os
+import socket
 import threading
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import ClassVar
 
+from .._logging import get_logger
 from ..errors import CheckpointingException
+
+logger = get_logger(__name__)
 
 
 class Kind(enum.Enum):
@@ -103,6 +108,26 @@ Body = Hello | AttachArena | DetachArena | Submit | Result | Shutdown
 
 class ProtocolError(CheckpointingException):
     """A message arrived that the protocol does not allow at this point."""
+
+
+# A request's payload is a few hundred KB for thousands of tensors: with the socket's
+# default buffer (~200 KB) the send waits for the worker to be scheduled and drain it.
+_SEND_BUFFER = 4 << 20
+
+
+def widen_send_buffer(conn: Connection) -> None:
+    """Let ``conn`` queue a whole payload without waiting for its reader (the kernel caps
+    the size at ``net.core.wmem_max``); best effort."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+    except OSError as exc:
+        logger.debug("could not widen the worker channel's send buffer: %r", exc)
+    finally:
+        sock.close()
 
 
 class Channel:
