@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 
 from ..errors import CheckpointingException, ConfigurationError
 from ._dcp_write import WriteBucket
+from ._staging import TensorBatch
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -194,7 +195,7 @@ class ItemTensors(list[tuple[WriteItem, torch.Tensor]]):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         self._materialize()
-        return _pairs, (self.blob, [tensor for _, tensor in self])
+        return _pairs, (self.blob, TensorBatch(tensor for _, tensor in self))
 
 
 def _resolving(name: str) -> Any:

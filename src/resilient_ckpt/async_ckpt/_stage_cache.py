@@ -6,9 +6,10 @@ everything staging derives from the tensors' *layout* is the same as at the prev
 each tensor's descriptor (slot, dtype, size, stride, offset), which storages share a slot,
 the slots' places in the arena, and the coalesced copy ranges split over the copy threads.
 Only the bytes differ. So a save first pickles the request *optimistically*, with a reducer
-that answers the i-th tensor it meets with the previous save's i-th descriptor (one list
-append, no per-tensor queries), then checks the guess: every tensor met, in order, must have
-the previous save's *layout key*::
+that answers its i-th call with the previous save's i-th result (one list append, no
+per-tensor queries; a call is one tensor, or a whole ``TensorBatch`` of the staging layer,
+whose descriptors travel as one blob pickled at the full staging), then checks the guess:
+every tensor met, in order, must have the previous save's *layout key*::
 
     (type, device, layout, dtype, shape, stride, storage offset, requires_grad,
      storage address, storage bytes)
@@ -18,7 +19,8 @@ functions of the keys alone), and equal source addresses and lengths, so the cac
 plan copies exactly the bytes the full path would. The non-tensor part of the request
 (paths, step counters, the write items) is pickled afresh every save, so its new values are
 always in the payload. Any difference (a tensor added, removed, reshaped, re-typed, replaced
-by one in other memory, or a different reducer-call count) falls back to the full path,
+by one in other memory, or a different count of reducer calls or of tensors per call)
+falls back to the full path,
 which rebuilds the cache. Identity is deliberately not part of the key: a tensor replaced by
 a new object over the *same* memory and layout is staged identically, and the same object
 whose storage was swapped (``.data =``, ``set_``) has a new address or layout and misses.
@@ -27,9 +29,10 @@ Only requests whose tensors are all strided CPU tensors are cached (device tenso
 their device copies; by-value tensors would repeat stale values). The cache holds no
 reference to any tensor: only the keys (plain values) and the plan.
 
-Cost per tensor on a hit: one reducer call (an append) and its share of the layout keys'
-C-level column passes (~0.5 us warm, a few us when the tensors are cache-cold after a
-training step), against ~5 us for the full reducer plus a per-save coalesce and split.
+Cost per tensor on a hit: one reducer call (an append; none in a batch) and its share of
+the layout keys' C-level column passes (~0.5 us warm, a few us when the tensors are
+cache-cold after a training step), against ~5 us for the full reducer plus a per-save
+coalesce and split.
 """
 
 from __future__ import annotations
@@ -73,21 +76,31 @@ def layout_keys(tensors: list[torch.Tensor]) -> tuple[list, ...]:
 
 
 class _Guess:
-    """Reducer of the optimistic pickle: the i-th tensor gets the cached i-th descriptor."""
+    """Reducer of the optimistic pickle: the i-th reducer call gets the cached i-th result,
+    if it describes as many tensors as the cached call did."""
 
-    __slots__ = ("reduced", "tensors")
+    __slots__ = ("calls", "counts", "reduced", "tensors")
 
-    def __init__(self, reduced: list[Any]) -> None:
+    def __init__(self, reduced: list[Any], counts: list[int]) -> None:
         self.reduced = reduced
+        self.counts = counts
+        self.calls = 0
         self.tensors: list[torch.Tensor] = []
 
-    def reduce_tensor(self, obj: torch.Tensor) -> Any:
-        tensors = self.tensors
-        index = len(tensors)
-        tensors.append(obj)
-        if index >= len(self.reduced):
+    def _next(self, count: int) -> Any:
+        index = self.calls
+        self.calls = index + 1
+        if index >= len(self.reduced) or self.counts[index] != count:
             raise _Miss
         return self.reduced[index]
+
+    def reduce_tensor(self, obj: torch.Tensor) -> Any:
+        self.tensors.append(obj)
+        return self._next(1)
+
+    def reduce_batch(self, batch: list[torch.Tensor]) -> Any:
+        self.tensors.extend(batch)
+        return self._next(len(batch))
 
 
 class StageCache:
@@ -98,6 +111,7 @@ class StageCache:
 
     def __init__(self) -> None:
         self._reduced: list[Any] | None = None
+        self._counts: list[int] = []
         self._keys: tuple[list, ...] = ()
         self._slots: tuple[Slot, ...] = ()
         self._total = 0
@@ -108,6 +122,7 @@ class StageCache:
 
     def clear(self) -> None:
         self._reduced = None
+        self._counts = []
         self._keys = ()
         self._shares = []
 
@@ -115,6 +130,7 @@ class StageCache:
         self,
         tensors: list[torch.Tensor],
         reduced: list[Any],
+        counts: list[int],
         reusable: bool,
         slots: tuple[Slot, ...],
         host: list[Segment],
@@ -125,11 +141,12 @@ class StageCache:
     ) -> None:
         """After a full staging: keep what the next save of this layout can reuse.
 
-        ``host``: the copy ranges with destinations relative to the arena's start.
+        ``reduced``/``counts``: each reducer call's result and how many of ``tensors`` it
+        described. ``host``: the copy ranges with destinations relative to the arena's start.
         ``counted``: a save missed the cache (False for a warm-up, which saves nothing).
         """
         self.misses += int(counted)
-        if not reusable or len(reduced) != len(tensors):
+        if not reusable or len(reduced) != len(counts) or sum(counts) != len(tensors):
             self.clear()
             return
         try:
@@ -139,6 +156,7 @@ class StageCache:
             self.clear()
             return
         self._reduced = list(reduced)
+        self._counts = list(counts)
         self._keys = keys
         self._slots = slots
         self._total = total
@@ -152,10 +170,10 @@ class StageCache:
         the tensors met (to keep alive while copying); None on any difference."""
         if self._reduced is None or threads != self._threads:
             return None
-        guess = _Guess(self._reduced)
+        guess = _Guess(self._reduced, self._counts)
         try:
             payload = dump(obj, guess)
-            if len(guess.tensors) != len(self._reduced) or layout_keys(guess.tensors) != self._keys:
+            if guess.calls != len(self._reduced) or layout_keys(guess.tensors) != self._keys:
                 return None
         except Exception:  # _Miss, or anything the full path will report properly
             return None

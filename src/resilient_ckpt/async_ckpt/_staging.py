@@ -76,12 +76,32 @@ def _reduce_module(module: types.ModuleType) -> Any:
     return importlib.import_module, (module.__name__,)
 
 
+class TensorBatch(list):
+    """Tensors that staging describes in one reducer call: one pickled blob of descriptors
+    per batch instead of a reducer call and a descriptor pickled per tensor (~1.5 us each
+    when the tensors are cache-cold, a millisecond or more per save of thousands).
+
+    For lists our own code builds (a DCP bucket's tensors, a local shard's), whose elements
+    are never the same tensor object as elsewhere in the request: unlike pickling them one by
+    one, a batch does not share rebuilt *objects* with the rest of the request (storages
+    are still shared: every slot is keyed by its storage). Unpickled, it is a plain list.
+    """
+
+    __slots__ = ()
+
+
+def _stageable(obj: torch.Tensor) -> bool:
+    return obj.layout == torch.strided and obj.device.type != "meta" and not obj.is_quantized
+
+
 class _Collector:
     """Per-pickle state: the storages met so far, by identity, in order of first use.
 
     It also records, per reducer call, what :mod:`._stage_cache` needs to reuse this pickle's
-    descriptors: the result, and the tensor's layout key (see ``layout_keys`` there).
-    ``reusable`` turns False when a tensor is pickled by value or lives on a device.
+    descriptors: the result and how many tensors the call described (one, or a
+    :class:`TensorBatch`'s length), and the tensors in order (for their layout keys, see
+    ``layout_keys`` there). ``reusable`` turns False when a tensor is pickled by value or
+    lives on a device.
     """
 
     def __init__(self) -> None:
@@ -89,13 +109,11 @@ class _Collector:
         self._slot_of: dict[tuple[str, int, int], int] = {}
         self.tensors: list[torch.Tensor] = []
         self.reduced: list[Any] = []
+        self.counts: list[int] = []
         self.reusable = True
 
-    def reduce_tensor(self, obj: torch.Tensor) -> Any:
-        self.tensors.append(obj)
-        if obj.layout != torch.strided or obj.device.type == "meta" or obj.is_quantized:
-            self.reusable = False
-            return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    def _describe(self, obj: torch.Tensor) -> tuple:
+        """The arguments of ``_rebuild_staged`` for ``obj``, its storage given a slot."""
         storage = obj.untyped_storage()
         nbytes = storage.nbytes()
         key = (storage.device.type, storage.data_ptr(), nbytes)
@@ -106,17 +124,38 @@ class _Collector:
             slot = len(self.slots)
             self.slots.append(_PendingSlot(storage, nbytes))
             self._slot_of[key] = slot
+        return (
+            slot,
+            obj.dtype,
+            tuple(obj.size()),
+            obj.stride(),
+            obj.storage_offset(),
+            obj.requires_grad,
+            type(obj) is torch.nn.Parameter,
+        )
+
+    def reduce_tensor(self, obj: torch.Tensor) -> Any:
+        self.tensors.append(obj)
+        self.counts.append(1)
+        if not _stageable(obj):
+            self.reusable = False
+            reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        else:
+            reduced = (_rebuild_staged, self._describe(obj))
+        self.reduced.append(reduced)
+        return reduced
+
+    def reduce_batch(self, batch: TensorBatch) -> Any:
+        if not all(isinstance(t, torch.Tensor) and _stageable(t) for t in batch):
+            # Element by element (each through the dispatch table): by value where needed.
+            self.reusable = False
+            return list, (tuple(batch),)
+        descriptors = [self._describe(t) for t in batch]
+        self.tensors.extend(batch)
+        self.counts.append(len(batch))
         reduced = (
-            _rebuild_staged,
-            (
-                slot,
-                obj.dtype,
-                tuple(obj.size()),
-                obj.stride(),
-                obj.storage_offset(),
-                obj.requires_grad,
-                type(obj) is torch.nn.Parameter,
-            ),
+            _rebuild_batch,
+            (pickle.dumps(descriptors, protocol=pickle.HIGHEST_PROTOCOL),),
         )
         self.reduced.append(reduced)
         return reduced
@@ -133,6 +172,7 @@ def _dispatch_table(collector: Any) -> dict[type, Any]:
     table: dict[type, Any] = dict(copyreg.dispatch_table)
     table[torch.Tensor] = collector.reduce_tensor
     table[torch.nn.Parameter] = collector.reduce_tensor
+    table[TensorBatch] = collector.reduce_batch
     table[types.ModuleType] = _reduce_module
     return table
 
@@ -175,6 +215,11 @@ def _rebuild_staged(
     return tensor
 
 
+def _rebuild_batch(descriptors: bytes) -> list[torch.Tensor]:
+    """Worker side: a :class:`TensorBatch`'s tensors, each over its slot."""
+    return [_rebuild_staged(*args) for args in pickle.loads(descriptors)]
+
+
 @dataclass
 class StagedRequest:
     """A pickled request and where its tensors' bytes are (or are being) copied.
@@ -191,7 +236,8 @@ class StagedRequest:
 
 
 def dump_with(obj: Any, reducer_owner: Any) -> bytes:
-    """Pickle ``obj``; tensors go through ``reducer_owner.reduce_tensor``."""
+    """Pickle ``obj``; tensors go through ``reducer_owner.reduce_tensor``, batches of them
+    through ``reducer_owner.reduce_batch``."""
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table = _dispatch_table(reducer_owner)
@@ -321,6 +367,7 @@ def _remember(
     cache.remember(
         collector.tensors,
         collector.reduced,
+        collector.counts,
         collector.reusable,
         slots,
         host,

@@ -35,6 +35,7 @@ from typing import IO, Any
 import torch
 
 from .._checksum import CrcPipe, crc32
+from ..async_ckpt._staging import TensorBatch
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._reader import check_against_manifest as check_against_manifest  # (re-exported:
@@ -128,7 +129,7 @@ def plan_shard(state: TensorAwareStateDict) -> ShardLayout:
         state.insert_tensors(tensors)
     header = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
     data_start = align(len(header))
-    return ShardLayout(header, tensors, records, data_start, data_start + offset)
+    return ShardLayout(header, TensorBatch(tensors), records, data_start, data_start + offset)
 
 
 def _pieces(layout: ShardLayout) -> Iterator[tuple[int, torch.Tensor | bytes]]:

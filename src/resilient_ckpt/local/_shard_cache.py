@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..async_ckpt._staging import TensorBatch
 from .basic_state_dict import BasicTensorAwareStateDict
 
 _EXACT = (int, str, bytes, bool, type(None))
@@ -124,7 +125,11 @@ class ShardPlanCache:
             self.hits += 1
             cached: ShardLayout = self._layout
             return ShardLayout(
-                cached.header, walked[1], cached.records, cached.data_start, cached.size
+                cached.header,
+                TensorBatch(walked[1]),
+                cached.records,
+                cached.data_start,
+                cached.size,
             )
         layout = plan_full(state)
         self.misses += 1
