@@ -77,13 +77,13 @@ def test_a_custom_planner_resolves_at_once(tmp_path) -> None:
 @pytest.mark.skipif(not stages_in_background(), reason="CUDA is initialised here")
 def test_overlapped_staging_resolves_on_the_staging_thread(tmp_path, monkeypatch) -> None:
     threads: list[str] = []
-    resolve = _dcp_buckets._resolve_blob
+    resolve = _dcp_buckets.resolve_blob
 
     def recording(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return resolve(*args, **kwargs)
 
-    monkeypatch.setattr(_dcp_buckets, "_resolve_blob", recording)
+    monkeypatch.setattr(_dcp_buckets, "resolve_blob", recording)
     state = _state()
     queue = AsyncCallsQueue()
     try:

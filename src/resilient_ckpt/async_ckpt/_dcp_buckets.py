@@ -15,8 +15,8 @@ Everything derived from the plan alone is then reused too, keyed by that plan's 
   objects (about 75 objects each), so pickling the request costs microseconds;
 * for :class:`DefaultSavePlanner`, resolving an item is a dictionary lookup (the planner's
   generic ``resolve_data`` builds index objects per item; DTensors' ``to_local`` goes
-  through autograd), done when the request is staged (:class:`ItemTensors`): in overlapped
-  staging off the trainer's thread.
+  through autograd; see :mod:`._dcp_resolve`), done when the request is staged
+  (:class:`ItemTensors`): in overlapped staging off the trainer's thread.
 
 A changed structure gives a new plan (the cache misses and re-plans), hence new buckets.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import itertools
 import math
 import operator
 import pickle
@@ -35,22 +34,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from ..errors import CheckpointingException, ConfigurationError
+from ._dcp_resolve import direct_lookup, resolve_blob
 from ._dcp_write import WriteBucket
 from ._staging import TensorBatch
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
-
 _CACHE_SIZE = 4
-_NOT_PARTIAL = (Shard, Replicate)
-_NOT_PARTIAL_KINDS = frozenset(_NOT_PARTIAL)
 
 
 def item_nbytes(item: WriteItem) -> int:
@@ -258,117 +250,6 @@ def _skeleton(plan: SavePlan, prefix: str, options: tuple) -> _Skeleton:
     return made
 
 
-def snapshot_view(tensor: Any, fqn: str) -> torch.Tensor:
-    """Detach; clone a CPU view whose storage is larger than its bytes (else staging would
-    copy the whole base storage, and torch's writer would clone it anyway)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ConfigurationError(
-            f"the planner resolved tensor item {fqn!r} to a {type(tensor).__name__}"
-        )
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-            return tensor.clone()
-    return tensor
-
-
-def _direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
-    """The planner's flat state when resolving a tensor item is a plain lookup in it."""
-    cls = type(planner)
-    if not isinstance(planner, DefaultSavePlanner) or any(
-        getattr(cls, name) is not getattr(DefaultSavePlanner, name)
-        for name in ("resolve_data", "lookup_object", "transform_object")
-    ):
-        return None
-    state = getattr(planner, "state_dict", None)
-    return state if isinstance(state, dict) else None
-
-
-def _resolve_tensor(planner: SavePlanner, flat: dict[str, Any] | None, item: WriteItem) -> Any:
-    if flat is not None:
-        obj: Any = flat.get(item.index.fqn)
-        kind = type(obj)
-        if kind is torch.Tensor or kind is torch.nn.Parameter:
-            return obj
-        if kind is DTensor and type(obj._local_tensor) is torch.Tensor:
-            if not any(p.is_partial() for p in obj.placements):
-                return obj._local_tensor
-    return planner.resolve_data(item)
-
-
-def _resolve_blob(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | None) -> list:
-    """``snapshot_view(_resolve_tensor(...))`` of each item, inlined for the common kinds:
-    a save of thousands of tensors pays ~0.6 us per item here (all plain tensors, or all
-    Shard/Replicate DTensors: :func:`_resolve_uniform`), ~1 us in the loop, not ~5."""
-    if flat is None:
-        return [snapshot_view(_resolve_tensor(planner, None, i), i.index.fqn) for i in blob.items]
-    uniform = _resolve_uniform(blob, flat)
-    if uniform is not None:
-        return uniform
-    plain = (torch.Tensor, torch.nn.Parameter)
-    out: list[torch.Tensor] = []
-    for item, fqn in zip(blob.items, blob.fqns, strict=True):
-        obj: Any = flat.get(fqn)
-        kind = type(obj)
-        tensor: Any = None
-        if kind in plain:
-            tensor = obj
-        elif kind is DTensor and type(local := obj._local_tensor) is torch.Tensor:
-            # One Shard or Replicate by its exact type: is_partial() is a Python call.
-            placements = obj._spec.placements
-            if len(placements) == 1 and type(placements[0]) in _NOT_PARTIAL:
-                tensor = local
-            elif not any(p.is_partial() for p in placements):
-                tensor = local
-        if tensor is None or not tensor.is_cpu:
-            out.append(snapshot_view(_resolve_tensor(planner, flat, item), fqn))
-        elif tensor.untyped_storage().nbytes() > tensor.nbytes:
-            out.append(tensor.detach().clone())  # a view into a larger storage: see there
-        else:
-            # Always a new object (not the caller's tensor itself, even when detach() has
-            # nothing to drop): the buckets' tensors must die with the write (NVRx's
-            # "writer hands its payload over" tests hold weak references to them).
-            out.append(tensor.detach())
-    return out
-
-
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-_DTENSOR_ONLY = frozenset({DTensor})
-_LOCAL_TENSOR = operator.attrgetter("_local_tensor")
-_PLACEMENTS = operator.attrgetter("_spec.placements")
-_IS_CPU = operator.attrgetter("is_cpu")
-_NBYTES = operator.attrgetter("nbytes")
-
-
-def _resolve_uniform(blob: ItemsBlob, flat: dict[str, Any]) -> list | None:
-    """The loop of :func:`_resolve_blob` as C-level passes over all items at once, when
-    every item is a plain CPU tensor or every item a non-partial DTensor over a plain CPU
-    tensor, none a view into a larger storage; None otherwise (the loop decides per item)."""
-    try:
-        objs = blob.lookup(flat)
-    except KeyError:
-        return None
-    kinds = set(map(type, objs))
-    if kinds <= _PLAIN:
-        tensors = objs
-    elif kinds == _DTENSOR_ONLY:
-        placement_kinds = set(map(type, itertools.chain.from_iterable(map(_PLACEMENTS, objs))))
-        if not placement_kinds <= _NOT_PARTIAL_KINDS:
-            return None
-        tensors = tuple(map(_LOCAL_TENSOR, objs))
-        if set(map(type, tensors)) - {torch.Tensor}:
-            return None
-    else:
-        return None
-    if not all(map(_IS_CPU, tensors)):
-        return None
-    storage_bytes = map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, tensors))
-    if any(map(operator.ne, storage_bytes, map(_NBYTES, tensors))):
-        return None
-    # New objects, never the caller's tensors (see the loop).
-    return list(map(torch.Tensor.detach, tensors))
-
-
 def build_buckets(
     plan: SavePlan,
     planner: SavePlanner,
@@ -382,18 +263,18 @@ def build_buckets(
 ) -> list[WriteBucket]:
     """Resolve ``plan``'s items to data and group them into per-file write buckets."""
     skeleton = _skeleton(plan, prefix, (thread_count, single_file_per_rank, separation_hint))
-    flat = _direct_lookup(planner)
+    flat = direct_lookup(planner)
     buckets: list[WriteBucket] = []
     for name, byte_items, blob in skeleton.files:
         bytes_data: Any = [(item, planner.resolve_data(item)) for item in byte_items]
         if flat is not None:
             # Lookups in the plan's flat state only (a DefaultSavePlanner's): deferred.
             tensor_data = ItemTensors.deferred(
-                blob, functools.partial(_resolve_blob, blob, planner, flat)
+                blob, functools.partial(resolve_blob, blob, planner, flat)
             )
         else:  # the planner's own resolve_data runs now, on the calling thread
             tensor_data = ItemTensors(
-                zip(blob.items, _resolve_blob(blob, planner, flat), strict=True)
+                zip(blob.items, resolve_blob(blob, planner, flat), strict=True)
             )
             tensor_data.blob = blob
         buckets.append((join(checkpoint_dir, name), name, (bytes_data, tensor_data)))

@@ -77,9 +77,11 @@ def _walk(obj: Any, tokens: list, tensors: list) -> None:
         raise _Unsupported(kind.__name__)
 
 
-def walk(state: Any) -> tuple[list, list[torch.Tensor]] | None:
+def walk(state: Any) -> tuple[list, TensorBatch] | None:
+    """``(tokens, tensors)`` of ``state``; the tensors in order, as the batch a shard
+    layout stages them in."""
     tokens: list = []
-    tensors: list[torch.Tensor] = []
+    tensors = TensorBatch()
     try:
         _walk(state, tokens, tensors)
     except _Unsupported:
@@ -125,11 +127,7 @@ class ShardPlanCache:
             self.hits += 1
             cached: ShardLayout = self._layout
             return ShardLayout(
-                cached.header,
-                TensorBatch(walked[1]),
-                cached.records,
-                cached.data_start,
-                cached.size,
+                cached.header, walked[1], cached.records, cached.data_start, cached.size
             )
         layout = plan_full(state)
         self.misses += 1

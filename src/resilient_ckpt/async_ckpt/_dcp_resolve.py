@@ -1,0 +1,119 @@
+"""Resolving a save plan's tensor items to the tensors the async DCP writer snapshots.
+
+Decision: the writer must own what it writes: every item resolves to a *new* tensor object
+(a detached view of the state's memory), so the buckets' tensors die with the write (NVRx's
+"writer hands its payload over" tests hold weak references to them), and a CPU view into a
+larger storage is cloned (else staging would copy the whole base storage, and torch's writer
+would clone it anyway).
+
+For a :class:`DefaultSavePlanner` an item is a lookup in the planner's flat state (its
+generic ``resolve_data`` builds index objects per item; DTensors' ``to_local`` goes through
+autograd). When every item of a file is a plain CPU tensor, or every one a Shard/Replicate
+DTensor over one, the lookups, checks and detaches are C-level ``map`` passes over all items
+(:func:`_resolve_uniform`, ~0.6 us per item warm); any other mix is resolved item by item.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
+
+from ..errors import ConfigurationError
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
+
+if TYPE_CHECKING:
+    from ._dcp_buckets import ItemsBlob
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_DTENSOR_ONLY = frozenset({DTensor})
+_NOT_PARTIAL = frozenset({Shard, Replicate})
+_LOCAL_TENSOR = operator.attrgetter("_local_tensor")
+_PLACEMENTS = operator.attrgetter("_spec.placements")
+_IS_CPU = operator.attrgetter("is_cpu")
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def snapshot_view(tensor: Any, fqn: str) -> torch.Tensor:
+    """A new detached tensor over ``tensor``'s memory; a clone for a CPU view whose storage
+    is larger than its bytes (see the module docstring)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigurationError(
+            f"the planner resolved tensor item {fqn!r} to a {type(tensor).__name__}"
+        )
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            return tensor.clone()
+    return tensor
+
+
+def direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
+    """The planner's flat state when resolving a tensor item is a plain lookup in it."""
+    cls = type(planner)
+    if not isinstance(planner, DefaultSavePlanner) or any(
+        getattr(cls, name) is not getattr(DefaultSavePlanner, name)
+        for name in ("resolve_data", "lookup_object", "transform_object")
+    ):
+        return None
+    state = getattr(planner, "state_dict", None)
+    return state if isinstance(state, dict) else None
+
+
+def resolve_blob(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | None) -> list:
+    """``snapshot_view`` of each of ``blob``'s items as ``planner`` resolves it; ``flat``
+    (from :func:`direct_lookup`) lets plain tensors and non-partial DTensors be looked up
+    directly."""
+    if flat is None:
+        return [snapshot_view(planner.resolve_data(i), i.index.fqn) for i in blob.items]
+    uniform = _resolve_uniform(blob, flat)
+    if uniform is not None:
+        return uniform
+    out: list[torch.Tensor] = []
+    for item, fqn in zip(blob.items, blob.fqns, strict=True):
+        obj: Any = flat.get(fqn)
+        kind = type(obj)
+        tensor: Any = None
+        if kind in _PLAIN:
+            tensor = obj
+        elif kind is DTensor and type(local := obj._local_tensor) is torch.Tensor:
+            if not any(p.is_partial() for p in obj._spec.placements):
+                tensor = local
+        out.append(snapshot_view(planner.resolve_data(item) if tensor is None else tensor, fqn))
+    return out
+
+
+def _resolve_uniform(blob: ItemsBlob, flat: dict[str, Any]) -> list | None:
+    """The loop of :func:`resolve_blob` as C-level passes over all items at once, when
+    every item is a plain CPU tensor or every item a non-partial DTensor over a plain CPU
+    tensor, none a view into a larger storage; None otherwise (the loop decides per item)."""
+    try:
+        objs = blob.lookup(flat)
+    except KeyError:
+        return None
+    kinds = set(map(type, objs))
+    if kinds <= _PLAIN:
+        tensors = objs
+    elif kinds == _DTENSOR_ONLY:
+        placement_kinds = set(map(type, itertools.chain.from_iterable(map(_PLACEMENTS, objs))))
+        if not placement_kinds <= _NOT_PARTIAL:
+            return None
+        tensors = tuple(map(_LOCAL_TENSOR, objs))
+        if set(map(type, tensors)) - {torch.Tensor}:
+            return None
+    else:
+        return None
+    if not all(map(_IS_CPU, tensors)):
+        return None
+    storage_bytes = map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, tensors))
+    if any(map(operator.ne, storage_bytes, map(_NBYTES, tensors))):
+        return None
+    return list(map(torch.Tensor.detach, tensors))  # new objects (see the module docstring)
