@@ -45,19 +45,20 @@ def test_pairs_are_resolved_once_on_first_use_and_read_like_a_list(tmp_path) -> 
     state = _state()
     writer, _ = _planned(tmp_path / "a", state, thread_count=2)
     buckets = _tensor_data(writer)
-    assert buckets and all(b._resolve is not None for b in buckets), "resolved at planning"
+    assert buckets and all(b._resolver is not None for b in buckets), "resolved at planning"
     first = buckets[0]
     pairs = list(first)
-    assert first._resolve is None and len(first) == len(pairs) > 0
+    assert first._resolver is None and len(first) == len(pairs) > 0
     for item, tensor in pairs:
         source = state[item.index.fqn]
         # A new object over the caller's memory, as the eager path gave.
         assert tensor is not source and tensor.data_ptr() == source.data_ptr()
     assert first[0] is pairs[0] and first == pairs and pairs[0] in first
-    # Pickling (what staging does) resolves too and travels as a plain list of pairs.
+    # Pickled before any use (what staging does), it travels as a plain list of pairs
+    # without resolving the bucket itself: the pickler finds the tensors.
     second = buckets[1]
     copied = pickle.loads(pickle.dumps(second))
-    assert type(copied) is list and second._resolve is None
+    assert type(copied) is list and second._resolver is not None
     assert [i.index.fqn for i, _ in copied] == [i.index.fqn for i, _ in second]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(copied, second, strict=True))
 
@@ -71,19 +72,22 @@ def test_a_custom_planner_resolves_at_once(tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         save_state_dict_async_plan(_state(), writer, planner=Planner())
-    assert all(b._resolve is None and len(b) for b in _tensor_data(writer))
+    assert all(b._resolver is None and len(b) for b in _tensor_data(writer))
 
 
 @pytest.mark.skipif(not stages_in_background(), reason="CUDA is initialised here")
 def test_overlapped_staging_resolves_on_the_staging_thread(tmp_path, monkeypatch) -> None:
     threads: list[str] = []
-    resolve = _dcp_buckets.resolve_blob
 
-    def recording(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return resolve(*args, **kwargs)
+    def recording(resolve):
+        def resolving(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return resolve(*args, **kwargs)
 
-    monkeypatch.setattr(_dcp_buckets, "resolve_blob", recording)
+        return resolving
+
+    for name in ("resolve_sources", "quick_sources"):
+        monkeypatch.setattr(_dcp_buckets, name, recording(getattr(_dcp_buckets, name)))
     state = _state()
     queue = AsyncCallsQueue()
     try:
@@ -110,7 +114,7 @@ def test_overlapped_staging_resolves_on_the_staging_thread(tmp_path, monkeypatch
 def test_a_late_resolution_failure_keeps_its_own_error(tmp_path) -> None:
     writer, _ = _planned(tmp_path / "f", _state())
     bucket = _tensor_data(writer)[0]
-    flat = bucket._resolve.args[2]  # the plan's flat state
+    flat = bucket._resolver.flat  # the plan's flat state
     flat[bucket.blob.fqns[0]] = "not a tensor"  # e.g. a planner that resolves badly
     save_fn, preload_fn, args = writer.get_save_function_and_args()
     queue = AsyncCallsQueue()

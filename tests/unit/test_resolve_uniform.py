@@ -5,12 +5,21 @@ caller's memory, a clone for a view into a larger storage."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from resilient_ckpt.async_ckpt._dcp_buckets import ItemsBlob
-from resilient_ckpt.async_ckpt._dcp_resolve import _resolve_uniform, resolve_blob, snapshot_view
+from resilient_ckpt.async_ckpt._dcp_resolve import (
+    _plain_cpu,
+    _uniform_tensors,
+    quick_sources,
+    resolve_blob,
+    resolve_sources,
+    snapshot_source,
+)
 from resilient_ckpt.testing.launcher import launch
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,17 +32,26 @@ def _planned(state: dict) -> tuple[DefaultSavePlanner, ItemsBlob]:
     return planner, ItemsBlob(items[::-1])  # not in the state's order, as balanced files are
 
 
+def _uniform(blob: ItemsBlob, flat: dict) -> bool:
+    tensors = _uniform_tensors(blob, flat)
+    return tensors is not None and _plain_cpu(tensors)
+
+
 def _resolved(state: dict) -> tuple[bool, list[str]]:
     """Whether the C-level passes applied, and every way the result differs from the rules."""
     planner, blob = _planned(state)
     flat = planner.state_dict
-    uniform = _resolve_uniform(blob, flat) is not None
+    uniform = _uniform(blob, flat)
     got = resolve_blob(blob, planner, flat)
     problems = []
+    # The staging cache's unchecked lookup finds the very sources wherever the checks pass.
+    quick, sources = quick_sources(blob, flat), resolve_sources(blob, planner, flat)
+    if uniform and (quick is None or any(map(operator.is_not, quick, sources))):
+        problems.append("the quick lookup differs from the checked one")
     for item, tensor in zip(blob.items, got, strict=True):
         fqn = item.index.fqn
         source = flat[fqn]
-        expected = snapshot_view(planner.resolve_data(item), fqn)  # torch's own lookup
+        expected = snapshot_source(planner.resolve_data(item), fqn)  # torch's own lookup
         local = getattr(source, "_local_tensor", source)
         same_memory = expected.data_ptr() == local.data_ptr()
         if tensor is source or tensor is local or tensor.requires_grad:
@@ -71,7 +89,8 @@ def _cases(rank: int, world: int) -> dict:
     results = {name: _resolved(state) for name, state in cases.items()}
     planner, blob = _planned(plain)
     del planner.state_dict[blob.fqns[0]]  # a lookup that misses: the loop decides
-    results["missing"] = (_resolve_uniform(blob, planner.state_dict) is not None, [])
+    results["missing"] = (_uniform(blob, planner.state_dict), [])
+    assert quick_sources(blob, planner.state_dict) is None
     return results
 
 

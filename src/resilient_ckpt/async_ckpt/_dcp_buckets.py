@@ -16,7 +16,9 @@ Everything derived from the plan alone is then reused too, keyed by that plan's 
 * for :class:`DefaultSavePlanner`, resolving an item is a dictionary lookup (the planner's
   generic ``resolve_data`` builds index objects per item; DTensors' ``to_local`` goes
   through autograd; see :mod:`._dcp_resolve`), done when the request is staged
-  (:class:`ItemTensors`): in overlapped staging off the trainer's thread.
+  (:class:`ItemTensors`): in overlapped staging off the trainer's thread. Staging reads
+  the state's own tensors and describes them as detached (a ``SourcedBatch``); the new
+  detached objects are made only if the bucket is read as a list.
 
 A changed structure gives a new plan (the cache misses and re-plans), hence new buckets.
 """
@@ -38,9 +40,9 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from ..errors import CheckpointingException, ConfigurationError
-from ._dcp_resolve import direct_lookup, resolve_blob
+from ._batch import SourcedBatch, TensorBatch
+from ._dcp_resolve import direct_lookup, quick_sources, resolve_blob, resolve_sources
 from ._dcp_write import WriteBucket
-from ._staging import TensorBatch
 
 _CACHE_SIZE = 4
 
@@ -148,46 +150,65 @@ class ItemTensors(list[tuple[WriteItem, torch.Tensor]]):
     It is a plain list of pairs to every reader; only pickling (the staging of the request)
     differs. Unpickled, it is a plain list again.
 
-    With a ``resolve`` function the tensors are looked up on first use (any list operation
-    or the pickling), not when the bucket is built: in overlapped staging that is on the
-    staging thread, so resolving thousands of items is no longer part of the save call.
-    Only lookups that read nothing but the plan's own flat state are deferred (see
-    :func:`build_buckets`); the tensors are those of the save's state either way.
+    With a ``resolver`` the tensors are looked up on first use (any list operation), not
+    when the bucket is built; pickled before that, the tensors are found by the pickler
+    and staged as the snapshot views would be without making them (a ``SourcedBatch``): in
+    overlapped staging that is on the staging thread, so resolving thousands of items is no
+    longer part of the save call. Only lookups that read nothing but the plan's own flat
+    state are deferred (see :func:`build_buckets`); the tensors are those of the save's
+    state either way.
     """
 
     blob: ItemsBlob
-    _resolve: Callable[[], list[torch.Tensor]] | None = None
+    _resolver: _Resolver | None = None
     _lock: threading.Lock
 
     @classmethod
-    def deferred(cls, blob: ItemsBlob, resolve: Callable[[], list[torch.Tensor]]) -> ItemTensors:
+    def deferred(cls, blob: ItemsBlob, resolver: _Resolver) -> ItemTensors:
         made = cls()
         made.blob = blob
-        made._resolve = resolve
+        made._resolver = resolver
         made._lock = threading.Lock()
         return made
 
     def _materialize(self) -> None:
-        if self._resolve is None:
+        if self._resolver is None:
             return
         with self._lock:
-            resolve = self._resolve
-            if resolve is None:
+            resolver = self._resolver
+            if resolver is None:
                 return
-            try:
-                tensors = resolve()
-            except CheckpointingException:
-                raise
-            except Exception as exc:  # the planner's resolve_data, running late
-                raise ConfigurationError(
-                    f"resolving the save plan's tensor items failed: {type(exc).__name__}: {exc}"
-                ) from exc
+            tensors = list(map(torch.Tensor.detach, resolver.checked()))
             list.extend(self, zip(self.blob.items, tensors, strict=True))
-            self._resolve = None
+            self._resolver = None
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        self._materialize()
+        resolver = self._resolver
+        if resolver is not None:
+            return _pairs, (self.blob, SourcedBatch(resolver.checked, resolver.quick))
         return _pairs, (self.blob, TensorBatch(tensor for _, tensor in self))
+
+
+class _Resolver:
+    """How a deferred bucket finds its tensors in the planner's flat state."""
+
+    __slots__ = ("blob", "flat", "planner")
+
+    def __init__(self, blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any]) -> None:
+        self.blob, self.planner, self.flat = blob, planner, flat
+
+    def checked(self) -> list[torch.Tensor]:
+        try:
+            return resolve_sources(self.blob, self.planner, self.flat)
+        except CheckpointingException:
+            raise
+        except Exception as exc:  # the planner's resolve_data, running late
+            raise ConfigurationError(
+                f"resolving the save plan's tensor items failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def quick(self) -> list[torch.Tensor] | None:
+        return quick_sources(self.blob, self.flat)
 
 
 def _resolving(name: str) -> Any:
@@ -269,9 +290,7 @@ def build_buckets(
         bytes_data: Any = [(item, planner.resolve_data(item)) for item in byte_items]
         if flat is not None:
             # Lookups in the plan's flat state only (a DefaultSavePlanner's): deferred.
-            tensor_data = ItemTensors.deferred(
-                blob, functools.partial(resolve_blob, blob, planner, flat)
-            )
+            tensor_data = ItemTensors.deferred(blob, _Resolver(blob, planner, flat))
         else:  # the planner's own resolve_data runs now, on the calling thread
             tensor_data = ItemTensors(
                 zip(blob.items, resolve_blob(blob, planner, flat), strict=True)

@@ -51,6 +51,7 @@ import torch
 from .._logging import get_logger
 from ..errors import CheckpointingException, InvalidRequestError, StagingError
 from ._arena import Arena, ArenaPool
+from ._batch import SourcedBatch, TensorBatch
 from ._copy import CopyJob, start_copy
 from ._messages import Slot
 from ._stage_cache import StageCache
@@ -76,20 +77,6 @@ def _reduce_module(module: types.ModuleType) -> Any:
     return importlib.import_module, (module.__name__,)
 
 
-class TensorBatch(list):
-    """Tensors that staging describes in one reducer call: one pickled blob of descriptors
-    per batch instead of a reducer call and a descriptor pickled per tensor (~1.5 us each
-    when the tensors are cache-cold, a millisecond or more per save of thousands).
-
-    For lists our own code builds (a DCP bucket's tensors, a local shard's), whose elements
-    are never the same tensor object as elsewhere in the request: unlike pickling them one by
-    one, a batch does not share rebuilt *objects* with the rest of the request (storages
-    are still shared: every slot is keyed by its storage). Unpickled, it is a plain list.
-    """
-
-    __slots__ = ()
-
-
 def _stageable(obj: torch.Tensor) -> bool:
     return obj.layout == torch.strided and obj.device.type != "meta" and not obj.is_quantized
 
@@ -112,8 +99,9 @@ class _Collector:
         self.counts: list[int] = []
         self.reusable = True
 
-    def _describe(self, obj: torch.Tensor) -> tuple:
-        """The arguments of ``_rebuild_staged`` for ``obj``, its storage given a slot."""
+    def _describe(self, obj: torch.Tensor, detached: bool = False) -> tuple:
+        """The arguments of ``_rebuild_staged`` for ``obj`` (for ``obj.detach()`` if
+        ``detached``), its storage given a slot."""
         storage = obj.untyped_storage()
         nbytes = storage.nbytes()
         key = (storage.device.type, storage.data_ptr(), nbytes)
@@ -130,8 +118,8 @@ class _Collector:
             tuple(obj.size()),
             obj.stride(),
             obj.storage_offset(),
-            obj.requires_grad,
-            type(obj) is torch.nn.Parameter,
+            obj.requires_grad and not detached,
+            type(obj) is torch.nn.Parameter and not detached,
         )
 
     def reduce_tensor(self, obj: torch.Tensor) -> Any:
@@ -146,13 +134,21 @@ class _Collector:
         return reduced
 
     def reduce_batch(self, batch: TensorBatch) -> Any:
-        if not all(isinstance(t, torch.Tensor) and _stageable(t) for t in batch):
+        return self._batch(batch, detached=False)
+
+    def reduce_sourced(self, batch: SourcedBatch) -> Any:
+        return self._batch(batch.checked(), detached=True)
+
+    def _batch(self, tensors: list[torch.Tensor], *, detached: bool) -> Any:
+        if not all(isinstance(t, torch.Tensor) and _stageable(t) for t in tensors):
             # Element by element (each through the dispatch table): by value where needed.
             self.reusable = False
-            return list, (tuple(batch),)
-        descriptors = [self._describe(t) for t in batch]
-        self.tensors.extend(batch)
-        self.counts.append(len(batch))
+            if detached:
+                tensors = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
+            return list, (tuple(tensors),)
+        descriptors = [self._describe(t, detached) for t in tensors]
+        self.tensors.extend(tensors)
+        self.counts.append(len(tensors))
         reduced = (
             _rebuild_batch,
             (pickle.dumps(descriptors, protocol=pickle.HIGHEST_PROTOCOL),),
@@ -173,6 +169,7 @@ def _dispatch_table(collector: Any) -> dict[type, Any]:
     table[torch.Tensor] = collector.reduce_tensor
     table[torch.nn.Parameter] = collector.reduce_tensor
     table[TensorBatch] = collector.reduce_batch
+    table[SourcedBatch] = collector.reduce_sourced
     table[types.ModuleType] = _reduce_module
     return table
 
