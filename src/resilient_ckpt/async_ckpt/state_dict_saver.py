@@ -26,7 +26,6 @@ commit record and its success or failure is broadcast, so every rank learns the 
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,7 +52,13 @@ from ._metadata_reuse import (
     share_created_metadata,
     stale_error,
 )
-from ._planning import Planning, check_writer, is_decentralized, verify_global_md_reuse
+from ._planning import (
+    Planning,
+    accepts,
+    check_writer,
+    is_decentralized,
+    verify_global_md_reuse,
+)
 from ._structure import check_state_dict
 
 logger = get_logger(__name__)
@@ -390,7 +395,7 @@ def _commit(writer: Any, metadata: Metadata | None, outcomes: list[_RankOutcome]
     checksums: dict[str, tuple[int, int]] = {}
     for outcome in outcomes:
         checksums.update(outcome.file_checksums)
-    if "file_checksums" in inspect.signature(writer.finish).parameters:
+    if accepts(writer.finish, "file_checksums"):
         writer.finish(metadata, results, file_checksums=checksums)
     else:
         writer.finish(metadata, results)
