@@ -98,17 +98,16 @@ def resolve_sources(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] 
     return out
 
 
-def quick_sources(blob: ItemsBlob, flat: dict[str, Any] | None) -> list | None:
+def quick_sources(blob: ItemsBlob, flat: dict[str, Any]) -> list | None:
     """:func:`resolve_sources` without the per-tensor checks, for the staging cache's
-    optimistic pickle (see ``SourcedBatch``): None unless every item is looked up directly.
+    optimistic pickle (see ``SourcedBatch``): None unless every item is looked up directly
+    by the C-level passes.
 
     Unchecked here, implied by layout keys equal to a full staging's: every tensor is on
     the CPU (the keys hold the device) and none is a view into a larger storage (equal
     shapes, dtypes and storage sizes to tensors that were not; a cloned view's key holds
     the clone's storage, never equal to the view's).
     """
-    if flat is None:
-        return None
     tensors = _uniform_tensors(blob, flat)
     return None if tensors is None else list(tensors)
 
