@@ -85,13 +85,16 @@ def test_restoring_a_cuda_tensor_without_cuda_is_a_clear_error():
 
 @pytest.mark.gpu
 def test_cuda_tensors_go_to_cpu_and_back():
-    state = {"w": torch.randn(4, device="cuda"), "c": torch.ones(2), "n": 3}
+    original = torch.randn(4, device="cuda")
+    state = {"w": original, "c": torch.ones(2), "n": 3}
     sd = BasicTensorAwareStateDict(state)
     sd.copy_tensors_to_cpu()
-    assert sd.state_dict["w"].device.type == "cpu" and state["w"].device.type == "cuda"
+    # In place, as NVRx's: the dict now holds the CPU copy; the CUDA tensor is not destroyed.
+    assert sd.state_dict["w"].device.type == "cpu" and state["w"] is sd.state_dict["w"]
+    assert original.device.type == "cuda"
     popped = sd.pop_tensors()
     assert sd.state_dict["w"].device.type == "cuda"  # placeholder remembers the origin
     sd.insert_tensors(popped)
     sd.restore_tensor_device(non_blocking=False)
     assert sd.state_dict["w"].device.type == "cuda" and sd.state_dict["c"].device.type == "cpu"
-    assert torch.equal(sd.state_dict["w"], state["w"])
+    assert torch.equal(sd.state_dict["w"], original)

@@ -150,14 +150,13 @@ class TorchAsyncCheckpoint:
             save_fn: Any = save_to_storage
         else:
             save_fn = functools.partial(save_atomically, sync=self.sync_files)
-        preload_fn = None
         if not self.persistent_queue and any(
             t.device.type != "cpu" for t in iter_tensors(state_dict)
         ):
-            preload_fn = functools.partial(preload_tensors, state_dict, non_blocking=True)
-        request = AsyncRequest(
-            save_fn, (state_dict, path, *rest), [], kwargs, preload_fn=preload_fn
-        )
+            # A forked child cannot read device memory: host copies first, as NVRx does. (Not
+            # a preload_fn: its result replaces the request's second argument, the path.)
+            state_dict = preload_tensors(state_dict, non_blocking=True)  # synchronizes
+        request = AsyncRequest(save_fn, (state_dict, path, *rest), [], kwargs)
         return self._queue.schedule_async_request(request, overlap_staging=overlap_staging)
 
     def finalize_async_save(
