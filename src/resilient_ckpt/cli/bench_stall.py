@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from ..errors import CheckpointingException
 from .bench.stall_report import record, report
@@ -68,16 +69,28 @@ class Config:
     memory_saves: int
     first_trials: int = 3
     gap_s: float = 0.1
+    device: str = "cpu"
 
 
-def _state(rank: int, world: int, nbytes: int, tensors: int) -> tuple[dict, dict]:
+def _device(rank: int, kind: str) -> torch.device:
+    """This rank's device: the CPU, or CUDA device ``rank % count`` (ranks may share one)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _state(
+    rank: int, world: int, nbytes: int, tensors: int, device: torch.device
+) -> tuple[dict, dict]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     numel = max(1, nbytes // tensors // 4)
     g = torch.Generator().manual_seed(rank)
-    local = {f"layer{i}.weight": torch.rand(numel, generator=g) for i in range(tensors)}
+    local = {f"layer{i}.weight": torch.rand(numel, generator=g).to(device) for i in range(tensors)}
     sharded: dict[str, Any] = {
         k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) for k, v in local.items()
     }
@@ -111,18 +124,63 @@ class _Memcpy:
         self.mm.close()
 
 
+class _PinnedCopy:
+    """The GPU reference: each CUDA tensor copied (``non_blocking``) into its slot of one
+    pre-allocated pinned host buffer, then one synchronize."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        self.buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+        self.slots, offset = [], 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            self.slots.append(self.buffer[offset : offset + n].view(t.dtype).view(t.shape))
+            offset += n
+
+    def __call__(self) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for dst, src in zip(self.slots, self.tensors, strict=True):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.slots = []
+        del self.buffer
+
+
+def _kept_stager(options: Any) -> Any:
+    """torch's ``DefaultStager``, reused over saves: some torch releases (2.11, seen on a GPU
+    machine) close a stager handed to ``dcp.async_save`` once its save is done, and a closed
+    one fails the next save; this one ignores that ``close`` until ``release()``."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    class KeptStager(DefaultStager):
+        def close(self) -> None:
+            pass
+
+        def release(self) -> None:
+            super().close()
+
+    return KeptStager(options)
+
+
 class _Flows:
     """One save per flow; each returns {figure: seconds} for this rank."""
 
     def __init__(self, rank: int, world: int, cfg: Config, shape: str) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.staging import StagingOptions
 
         nbytes, tensors = SHAPES[shape]
         self.rank, self.cfg = rank, cfg
         self.dir = os.path.join(cfg.root, shape.replace("/", "_"))
         os.makedirs(self.dir, exist_ok=True)
-        self.sharded, self.local = _state(rank, world, nbytes, tensors)
-        self.memcpy = _Memcpy(list(self.local["model"].values()))
+        device = _device(rank, cfg.device)
+        self.sharded, self.local = _state(rank, world, nbytes, tensors, device)
+        reference = _PinnedCopy if device.type == "cuda" else _Memcpy
+        self.memcpy: _Memcpy | _PinnedCopy = reference(list(self.local["model"].values()))
         self.n = 0
         # First saves after the documented warm-up, each on fresh objects; the last trial's
         # objects serve the steady-state saves.
@@ -135,14 +193,18 @@ class _Flows:
             firsts.setdefault("ours DCP", []).append(self.ours_dcp()["stall"])
             firsts.setdefault("ours local", []).append(self.ours_local()["stall"])
         self.first = {name: statistics.median(values) for name, values in firsts.items()}
-        self.stager = DefaultStager(
+        # torch's stager as its docs advise for the device: on CUDA pinned memory and
+        # non-blocking copies (and, for the overlapped row, its background staging).
+        cuda = device.type == "cuda"
+        self.stager = _kept_stager(
             StagingOptions(
-                use_pinned_memory=False,
+                use_pinned_memory=cuda,
                 use_shared_memory=True,
                 use_async_staging=False,
-                use_non_blocking_copy=False,
+                use_non_blocking_copy=cuda,
             )
         )
+        self.overlap_stager = _kept_stager(StagingOptions()) if cuda else None
 
     def _open_flows(self, trial: int) -> None:
         """Fresh checkpointing objects, each warmed up as documented."""
@@ -238,7 +300,7 @@ class _Flows:
         self.local_queue.maybe_finalize_async_calls(blocking=True)
         return {"stall": stall}
 
-    def dcp_async_save(self) -> dict[str, float]:
+    def dcp_async_save(self, overlap: bool = False) -> dict[str, float]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -246,17 +308,26 @@ class _Flows:
         path = self._path("torch_dcp")
         dist.barrier()
         started = time.perf_counter()
-        future = dcp.async_save(
+        response = dcp.async_save(
             self.sharded,
             storage_writer=dcp.FileSystemWriter(path, thread_count=2),
             planner=DefaultSavePlanner(enable_plan_caching=True),
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-            async_stager=self.stager,
+            async_stager=self.overlap_stager if overlap else self.stager,
         )
         stall = time.perf_counter() - started
-        future.result()  # type: ignore[union-attr]
+        # Background staging answers with two futures (torch >= 2.9), else one.
+        staged = getattr(response, "staging_completion", None)
+        if staged is not None:
+            staged.result()
+        snapshot = time.perf_counter() - started
+        upload: Any = getattr(response, "upload_completion", response)
+        upload.result()
         self._cleanup(path)
-        return {"stall": stall}
+        return {"stall": stall, "snapshot": snapshot}
+
+    def dcp_async_save_overlap(self) -> dict[str, float]:
+        return self.dcp_async_save(overlap=True)
 
     def memory(self, saves: int) -> dict[str, float]:
         import psutil
@@ -274,7 +345,9 @@ class _Flows:
 
     def close(self) -> None:
         self._close_flows()
-        self.stager.close()
+        self.stager.release()
+        if self.overlap_stager is not None:
+            self.overlap_stager.release()
         self.memcpy.close()
 
 
@@ -287,20 +360,52 @@ FLOWS: dict[str, Callable[[_Flows], dict[str, float]]] = {
     "ours DCP overlapped": _Flows.ours_dcp_overlap,
     "ours torch overlapped": _Flows.torch_async_overlap,
 }
+# CUDA only: torch's "zero-overhead" staging (pinned memory copied on a background thread).
+CUDA_FLOWS = {"dcp.async_save overlapped": _Flows.dcp_async_save_overlap}
 
 
-def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
+# Flows of torch's, not ours: one that fails (a torch release's own bug) is reported and left
+# out of the later repetitions instead of ending the run.
+REFERENCE_FLOWS = ("dcp.async_save", "dcp.async_save overlapped")
+
+
+def _run_flow(name: str, flow: Callable[[_Flows], dict[str, float]], flows: _Flows) -> Any:
+    """The flow's figures, or (reference flows only) the failure as a string."""
+    try:
+        return flow(flows)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        if name not in REFERENCE_FLOWS:
+            raise
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+def _rank_main(rank: int, world: int, cfg: Config) -> tuple[dict[str, Any], dict[str, str]]:
     warnings.filterwarnings("ignore")
     out: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    chosen = {**FLOWS, **(CUDA_FLOWS if cfg.device == "cuda" else {})}
     for shape in cfg.shapes:
         flows = _Flows(rank, world, cfg, shape)
         samples: dict[str, list[float]] = {}
         for rep in range(cfg.warmups + cfg.reps):
-            for name, flow in FLOWS.items():
+            for name, flow in chosen.items():
+                if name in failed:
+                    continue
                 time.sleep(cfg.gap_s)  # the training step between two saves
-                for key, value in flow(flows).items():
+                result = _run_flow(name, flow, flows)
+                # Every rank drops a flow that failed on any, so all ranks stay in step.
+                outcomes: list[Any] = [None] * world
+                dist.all_gather_object(outcomes, result if isinstance(result, str) else None)
+                errors = [o for o in outcomes if o is not None]
+                if errors:
+                    failed[name] = f"{shape}: {errors[0]}"
+                    continue
+                for key, value in result.items():
                     if rep >= cfg.warmups:
                         samples.setdefault(f"{name}|{key}", []).append(value)
+        for name in failed:
+            for key in [k for k in samples if k.startswith(f"{name}|")]:
+                del samples[key]
         for name, value in flows.first.items():
             samples[f"{name}|first"] = [value]
         memory_shape = "64M/2000" if "64M/2000" in cfg.shapes else cfg.shapes[-1]
@@ -315,8 +420,8 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
             samples[key] = worst.tolist()
         out[shape] = {k: statistics.median(v) for k, v in samples.items()}
         if rank == 0 and len(cfg.shapes) > 1:  # progress: this shape's rows now
-            report({shape: out[shape]}, world)
-    return out
+            report({shape: out[shape]}, world, cfg.device, failed)
+    return out, failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
         default=100.0,
         help="pause before every timed save, standing for the training step between saves",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the state lives; cuda: rank r on device r %% count, the reference is a "
+        "pinned device-to-host copy",
+    )
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: /dev/shm)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -348,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="rc_bench_stall_", dir=base)
     if args.gap_ms < 0:
         parser.error(f"--gap-ms must be >= 0, got {args.gap_ms}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     cfg = Config(
         root,
         shapes,
@@ -356,14 +470,18 @@ def main(argv: list[str] | None = None) -> int:
         args.memory_saves,
         max(1, args.first_trials),
         args.gap_ms / 1000,
+        args.device,
     )
     try:
         per_rank = launch(_rank_main, args.ranks, cfg, timeout=3600)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    figures, failed = per_rank[0]
     print("\n== all shapes ==")
-    report(per_rank[0], args.ranks)
-    record(per_rank[0], args.ranks).write(args.json, ranks=args.ranks, reps=args.reps)
+    report(figures, args.ranks, args.device, failed)
+    record(figures, args.ranks, args.device).write(
+        args.json, ranks=args.ranks, reps=args.reps, device=args.device, failed=failed
+    )
     return 0
 
 

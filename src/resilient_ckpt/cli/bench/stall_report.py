@@ -15,33 +15,59 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:8.2f}"
 
 
-def report(results: dict[str, dict[str, float]], ranks: int) -> None:
+# The reference each stall is divided by, per device of the state.
+REFERENCES = {
+    "cpu": ("memcpy", "memcpy = one thread's memmove of the same bytes into shared memory"),
+    "cuda": ("D2H", "D2H = the same tensors copied into pinned host memory (non-blocking, sync)"),
+}
+
+
+def _ratio(ours: float, peer: float | None, width: int) -> str:
+    return f"{ours / peer:{width}.2f}" if peer else f"{'n/a':>{width}}"
+
+
+def report(
+    results: dict[str, dict[str, float]],
+    ranks: int,
+    device: str = "cpu",
+    failed: dict[str, str] | None = None,
+) -> None:
+    """Print the tables; ``failed`` names reference flows that raised (left out)."""
+    ref, legend = REFERENCES[device]
     print(
-        f"\nStall per save at {ranks} ranks (ms; median over reps of the slowest rank)", flush=True
+        f"\nStall per save at {ranks} ranks, state on {device} (ms; median over reps of the "
+        f"slowest rank; {legend})",
+        flush=True,
     )
-    head = f"{'state/rank':<10} {'flow':<22} {'stall':>8} {'memcpy':>8} {'x memcpy':>8}"
+    head = f"{'state/rank':<10} {'flow':<26} {'stall':>8} {ref:>8} {'x ' + ref:>8}"
     print(head + f" {'target':>13} {'dcp.async':>9} {'x dcp':>6}")
     for shape, fig in results.items():
-        copy, peer = fig["memcpy|stall"], fig["dcp.async_save|stall"]
+        copy, peer = fig["memcpy|stall"], fig.get("dcp.async_save|stall")
         for flow in ("ours DCP", "ours torch", "ours local", "dcp.async_save"):
+            if f"{flow}|stall" not in fig:
+                continue
             ours = fig[f"{flow}|stall"]
             print(
-                f"{shape:<10} {flow:<22} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
-                f"{TARGETS[shape] if flow != 'dcp.async_save' else '':>13} {_ms(peer)} "
-                f"{ours / peer:6.2f}"
+                f"{shape:<10} {flow:<26} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
+                f"{TARGETS[shape] if flow != 'dcp.async_save' else '':>13} "
+                f"{_ms(peer) if peer else 'n/a':>8} {_ratio(ours, peer, 6)}"
             )
-        for flow in ("ours DCP overlapped", "ours torch overlapped"):
+        overlapped = ("ours DCP overlapped", "ours torch overlapped", "dcp.async_save overlapped")
+        for flow in (f for f in overlapped if f"{f}|stall" in fig):
             ours, snap = fig[f"{flow}|stall"], fig[f"{flow}|snapshot"]
+            target = "<= 0.1x" if flow.startswith("ours") else ""
             print(
-                f"{shape:<10} {flow:<22} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
-                f"{'<= 0.1x':>13}   (call + wait_for_snapshot: {_ms(snap).strip()} ms)"
+                f"{shape:<10} {flow:<26} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
+                f"{target:>13}   (call + wait for the snapshot: {_ms(snap).strip()} ms)"
             )
+    for flow, error in (failed or {}).items():
+        print(f"{flow}: failed, left out ({error})")
     print("\nFirst save after the warm-up (median of fresh objects) / steady save (target <= 2)")
     for shape, fig in results.items():
         for flow in ("ours DCP", "ours torch", "ours local"):
             first, steady = fig[f"{flow}|first"], fig[f"{flow}|stall"]
             print(
-                f"{shape:<10} {flow:<22} first {_ms(first)} ms  steady {_ms(steady)} ms  "
+                f"{shape:<10} {flow:<26} first {_ms(first)} ms  steady {_ms(steady)} ms  "
                 f"ratio {first / steady:6.2f}"
             )
     for shape, fig in results.items():
@@ -54,19 +80,22 @@ def report(results: dict[str, dict[str, float]], ranks: int) -> None:
     sys.stdout.flush()
 
 
-def record(results: dict[str, dict[str, float]], ranks: int) -> Figures:
-    """The stalls of the printed table, each against the memcpy of the same run (for
+def record(results: dict[str, dict[str, float]], ranks: int, device: str = "cpu") -> Figures:
+    """The stalls of the printed table, each against the reference of the same run (for
     ``resilient-ckpt bench --plot``)."""
+    ref = REFERENCES[device][0]
     figures = Figures("stall")
     for shape, fig in results.items():
         for flow in ("ours DCP", "ours torch", "ours local", "dcp.async_save"):
+            if f"{flow}|stall" not in fig:
+                continue
             target = TARGETS[shape] if flow != "dcp.async_save" else ""
             figures.add(
                 "stall",
-                f"{shape} x {ranks} ranks",
+                f"{shape} x {ranks} ranks" + (f" ({device})" if device != "cpu" else ""),
                 flow,
                 fig[f"{flow}|stall"],
-                "memcpy",
+                ref,
                 fig["memcpy|stall"],
                 target,
             )

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA device, in one go: the tests marked `gpu` (skipped elsewhere),
+# the stall benchmark with the state on the GPU (reference: a pinned device-to-host copy of
+# the same tensors, and torch's dcp.async_save with pinned staging), then, in whatever time
+# is left of GPU_BUDGET_S, the rest of the suite with CUDA present.
+#
+#   benchmarks/gpu.sh [OUTDIR]        # from a checkout; PYTHON (default python3) must have torch
+#
+# Logs and the benchmark's JSON go to OUTDIR (default $OUT, else /tmp/rc_gpu). Each step has a
+# deadline, so a hang costs its step, not the run.
+set -u
+out=${1:-${OUT:-/tmp/rc_gpu}}
+py=${PYTHON:-python3}
+budget=${GPU_BUDGET_S:-420}
+ranks=${GPU_BENCH_RANKS:-1}
+mkdir -p "$out"
+start=$(date +%s)
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+left() { echo $((budget - ($(date +%s) - start))); }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$py" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, \
+torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())"
+
+echo "== tests marked gpu =="
+timeout 150 "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
+    -rfEs tests >"$out/gpu_tests.log" 2>&1
+echo "exit $?"
+grep -E "passed|failed|error" "$out/gpu_tests.log" | tail -5
+
+echo "== stall benchmark, state on cuda, $ranks rank(s) =="
+timeout 240 "$py" -m resilient_ckpt.cli.bench_stall --device cuda --ranks "$ranks" \
+    --reps "${GPU_BENCH_REPS:-6}" --warmups 2 --first-trials 2 --memory-saves 20 \
+    --json "$out/stall_cuda.json" >"$out/stall_cuda.log" 2>&1
+echo "exit $?"
+sed -n '/== all shapes ==/,$p' "$out/stall_cuda.log" | grep -v " INFO "
+grep -E "Error|Traceback" "$out/stall_cuda.log" | head -5
+
+t=$(left)
+if [ "$t" -gt 60 ]; then
+    echo "== the rest of the suite with CUDA present (${t}s left) =="
+    timeout "$((t - 10))" "$py" -m pytest -v -p no:cacheprovider -n 10 -m "not gpu" \
+        --timeout 120 --continue-on-collection-errors --ignore=tests/objstore -rfE tests \
+        >"$out/suite.log" 2>&1
+    echo "exit $? (124: out of time)"
+    grep -E " (FAILED|ERROR) |passed|failed" "$out/suite.log" | grep -v "^E " | tail -25
+fi
