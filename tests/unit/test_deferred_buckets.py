@@ -13,7 +13,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resilient_ckpt.async_ckpt import _dcp_buckets
-from resilient_ckpt.async_ckpt._snapshot import stages_in_background
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
@@ -75,7 +74,7 @@ def test_a_custom_planner_resolves_at_once(tmp_path) -> None:
     assert all(b._resolver is None and len(b) for b in _tensor_data(writer))
 
 
-@pytest.mark.skipif(not stages_in_background(), reason="CUDA is initialised here")
+@pytest.mark.usefixtures("background_staging")
 def test_overlapped_staging_resolves_on_the_staging_thread(tmp_path, monkeypatch) -> None:
     threads: list[str] = []
 

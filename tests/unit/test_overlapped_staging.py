@@ -9,13 +9,12 @@ import threading
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._snapshot import stages_in_background
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.errors import CheckpointingException, InvalidRequestError
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not stages_in_background(), reason="CUDA is initialised here"),
+    pytest.mark.usefixtures("background_staging"),
 ]
 
 
