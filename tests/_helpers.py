@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
 from resilient_ckpt.async_ckpt._arena import ARENA_NAME
+
+
+@contextlib.contextmanager
+def torch_serial_layout() -> Iterator[None]:
+    """Within: torch's ``FileSystemWriter`` lays a file out as it does without CUDA, tensors in
+    plan order (our writer's layout, and NVRx's). Where CUDA is available and it writes with
+    one thread, torch's loader orders a file's tensors by size instead: same checkpoint, other
+    bytes."""
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        yield
 
 
 def write_tensors(path: str, state: Any) -> None:

@@ -43,6 +43,7 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 from resilient_ckpt.testing.launcher import launch
 from resilient_ckpt.utils import diff
+from tests._helpers import torch_serial_layout
 
 from ._async_common import failing_open
 
@@ -116,7 +117,8 @@ def _async_equals_sync(rank: int, world: int, root: str, queues: dict) -> None:
     test_async_writer_msc.py::TestAsyncSaveWithMSC::test_async_is_equivalent_to_sync"""
     state = _state(rank, world)
     sync_dir = _fresh(root, "sync")
-    dcp.save(state, storage_writer=FileSystemWriter(sync_dir), planner=DefaultSavePlanner())
+    with torch_serial_layout():
+        dcp.save(state, storage_writer=FileSystemWriter(sync_dir), planner=DefaultSavePlanner())
     cases = [("daemon", False, False), ("plain", True, False), ("plain", False, False)]
     cases.append(("daemon", False, True))  # use_msc=True with a plain path
     for k, (queue_name, multiproc, use_msc) in enumerate(cases):

@@ -36,6 +36,7 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
 )
 from resilient_ckpt.async_ckpt.verify import verify_checkpoint
 from resilient_ckpt.testing.launcher import launch
+from tests._helpers import torch_serial_layout
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
@@ -172,7 +173,7 @@ def _check_cache(rank: int, world: int, state, root: str) -> dict[str, int]:
 def _four_rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
     state = _sharded_state(rank, world)
     ref, ours = os.path.join(root, "torch_writer"), os.path.join(root, "sharded4")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch_serial_layout():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(ref))
     _plan_and_request(state, FileSystemWriterAsync(ours, thread_count=1)).execute_sync()

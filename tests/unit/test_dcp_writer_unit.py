@@ -32,6 +32,7 @@ from resilient_ckpt.errors import (
     CorruptCheckpointError,
     StorageError,
 )
+from tests._helpers import torch_serial_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -88,7 +89,7 @@ def _with_autograd_leaves(state: dict) -> dict:
 def test_round_trip_and_byte_identical_to_torch_writer(tmp_path) -> None:
     state = _with_autograd_leaves(_state())
     state["view"] = torch.arange(100.0)[10:30]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch_serial_layout():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ref")))
     _save(state, tmp_path / "ours", thread_count=1)
@@ -105,7 +106,7 @@ def test_staged_saves_are_byte_identical_to_torch_writer(tmp_path) -> None:
     """Through the worker (staged; the second save takes the steady-state paths), plain
     tensors, Parameters and tensors requiring grad are written as torch's writer does."""
     state = _with_autograd_leaves(_state())
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch_serial_layout():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ref")))
     reference = (tmp_path / "ref" / "__0_0.distcp").read_bytes()

@@ -9,7 +9,10 @@ Decisions:
 
 * **Byte-identical files.** Each item is serialised by torch's own ``_write_item``, bytes
   items first, then tensors in plan order, exactly as ``FileSystemWriter`` does with one
-  thread; tensors whose storage is larger than their bytes are compacted first, as torch does.
+  thread in a process without CUDA (and as NVRx's writer does); tensors whose storage is
+  larger than their bytes are compacted first, as torch does. Where CUDA is available,
+  torch's one-thread writer orders a file's tensors by size instead (its overlapping
+  loader): the same checkpoint, other bytes.
 * **Checksums while writing.** A thin stream wrapper feeds every written buffer to the
   fastest installed CRC-32 (:mod:`.._checksum`: ISA-L with the ``fast`` extra, ~3x zlib's
   speed, same values; all release the GIL), so each file's size and CRC32 cost no extra
