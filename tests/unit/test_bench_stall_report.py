@@ -1,0 +1,58 @@
+"""The stall benchmark's tables (resilient_ckpt.cli.bench.stall_report): the reference named
+for the state's device, a failed reference flow of torch's left out and said so, not a crash."""
+
+from __future__ import annotations
+
+from resilient_ckpt.cli.bench.stall_report import record, report
+
+_FLOWS = ("memcpy", "ours DCP", "ours torch", "ours local", "dcp.async_save")
+
+
+def _figures(with_dcp: bool = True, cuda: bool = False) -> dict[str, float]:
+    fig = {f"{flow}|stall": 0.002 * (i + 1) for i, flow in enumerate(_FLOWS)}
+    for flow in ("ours DCP overlapped", "ours torch overlapped"):
+        fig[f"{flow}|stall"], fig[f"{flow}|snapshot"] = 0.0005, 0.003
+    if cuda:
+        fig["dcp.async_save overlapped|stall"] = 0.001
+        fig["dcp.async_save overlapped|snapshot"] = 0.004
+    if not with_dcp:
+        del fig["dcp.async_save|stall"]
+    for flow in ("ours DCP", "ours torch", "ours local"):
+        fig[f"{flow}|first"] = 0.004
+    return fig
+
+
+def test_cpu_table_divides_by_the_memcpy(capsys) -> None:
+    report({"2M/64": _figures()}, 2)
+    out = capsys.readouterr().out
+    assert "state on cpu" in out and "x memcpy" in out and "D2H" not in out
+    row = next(line for line in out.splitlines() if "ours torch  " in line)
+    # 6 ms against a 2 ms memcpy and a 10 ms dcp.async_save
+    assert "3.00" in row and "0.60" in row
+    assert "dcp.async_save overlapped" not in out
+
+
+def test_cuda_table_names_the_pinned_copy_and_torch_background_staging(capsys) -> None:
+    report({"64M/2000": _figures(cuda=True)}, 1, "cuda")
+    out = capsys.readouterr().out
+    assert "state on cuda" in out and "x D2H" in out and "pinned host memory" in out
+    overlapped = next(line for line in out.splitlines() if "dcp.async_save overlapped" in line)
+    assert "4.00 ms" in overlapped and "<= 0.1x" not in overlapped  # a reference: no target
+
+
+def test_a_failed_reference_is_reported_and_its_ratios_are_absent(capsys) -> None:
+    failed = {"dcp.async_save": "256M/8: KeyError: <class 'type'>"}
+    report({"256M/8": _figures(with_dcp=False)}, 2, "cpu", failed)
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("256M/8     ours DCP  ")]
+    assert rows and rows[0].rstrip().endswith("n/a")
+    assert "dcp.async_save: failed, left out (256M/8: KeyError: <class 'type'>)" in out
+    figures = record({"256M/8": _figures(with_dcp=False)}, 2).items
+    assert [f["label"] for f in figures] == ["ours DCP", "ours torch", "ours local"]
+
+
+def test_recorded_figures_carry_the_device_and_its_reference() -> None:
+    items = record({"2M/64": _figures(cuda=True)}, 1, "cuda").items
+    assert {f["reference"] for f in items} == {"D2H"}
+    assert all(f["case"] == "2M/64 x 1 ranks (cuda)" for f in items)
+    assert {f["reference"] for f in record({"2M/64": _figures()}, 2).items} == {"memcpy"}
