@@ -43,10 +43,11 @@ if [ "$t" -gt 60 ]; then
     # hook runs at interpreter start), which a PYTHONPATH run of the checkout is not.
     workers=()
     "$py" -c "import xdist" 2>/dev/null && workers=(-n "${GPU_SUITE_WORKERS:-8}")
-    timeout "$((t - 10))" "$py" -m pytest -v -p no:cacheprovider "${workers[@]}" -m "not gpu" \
+    # SIGINT at the deadline: pytest then still prints its summary, failures' tracebacks too.
+    timeout -s INT -k 30 "$((t - 40))" "$py" -m pytest -v -p no:cacheprovider "${workers[@]}" -m "not gpu" \
         --timeout 120 --continue-on-collection-errors --ignore=tests/objstore -rfE \
         --deselect tests/compat/test_alias.py::test_environment_switch_at_interpreter_start \
         tests >"$out/suite.log" 2>&1
-    echo "exit $? (124: out of time)"
+    echo "exit $? (2 or 124: out of time)"
     grep -E " (FAILED|ERROR) |passed|failed" "$out/suite.log" | grep -v "^E " | tail -25
 fi
