@@ -26,6 +26,12 @@ clean-up in its worker (releasing the request, a garbage collection) competes wi
 save for the same cores, which a training job's saves, seconds apart, never see (measured on
 2 cores: the flow that ran right after another one stalled 1.2-1.3x longer).
 
+With ``--device cuda`` the state lives on the GPU (rank r on device ``r % count``): the
+reference is a pinned device-to-host copy of the same tensors, torch's stager gets pinned
+memory and non-blocking copies, and a ``dcp.async_save overlapped`` row times torch's
+background staging. A flow of torch's that raises is reported and left out (torch 2.11's
+pinned stager failed at its second save on an H100); one of ours raising ends the run.
+
 DCP states are DTensor shards (every rank writes its own bytes); the other flows save the
 local shards. Figures are medians of the slowest rank per repetition. Optionally
 (``--memory-saves``) RSS and staging memfds over that many saves of a fixed structure.
