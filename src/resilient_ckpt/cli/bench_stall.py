@@ -157,27 +157,11 @@ class _PinnedCopy:
         del self.buffer
 
 
-def _kept_stager(options: Any) -> Any:
-    """torch's ``DefaultStager``, reused over saves: some torch releases (2.11, seen on a GPU
-    machine) close a stager handed to ``dcp.async_save`` once its save is done, and a closed
-    one fails the next save; this one ignores that ``close`` until ``release()``."""
-    from torch.distributed.checkpoint.staging import DefaultStager
-
-    class KeptStager(DefaultStager):
-        def close(self) -> None:
-            pass
-
-        def release(self) -> None:
-            super().close()
-
-    return KeptStager(options)
-
-
 class _Flows:
     """One save per flow; each returns {figure: seconds} for this rank."""
 
     def __init__(self, rank: int, world: int, cfg: Config, shape: str) -> None:
-        from torch.distributed.checkpoint.staging import StagingOptions
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         nbytes, tensors = SHAPES[shape]
         self.rank, self.cfg = rank, cfg
@@ -202,7 +186,7 @@ class _Flows:
         # torch's stager as its docs advise for the device: on CUDA pinned memory and
         # non-blocking copies (and, for the overlapped row, its background staging).
         cuda = device.type == "cuda"
-        self.stager = _kept_stager(
+        self.stager = DefaultStager(
             StagingOptions(
                 use_pinned_memory=cuda,
                 use_shared_memory=True,
@@ -210,7 +194,7 @@ class _Flows:
                 use_non_blocking_copy=cuda,
             )
         )
-        self.overlap_stager = _kept_stager(StagingOptions()) if cuda else None
+        self.overlap_stager = DefaultStager(StagingOptions()) if cuda else None
 
     def _open_flows(self, trial: int) -> None:
         """Fresh checkpointing objects, each warmed up as documented."""
@@ -351,9 +335,9 @@ class _Flows:
 
     def close(self) -> None:
         self._close_flows()
-        self.stager.release()
+        self.stager.close()
         if self.overlap_stager is not None:
-            self.overlap_stager.release()
+            self.overlap_stager.close()
         self.memcpy.close()
 
 
