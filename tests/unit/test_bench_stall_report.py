@@ -56,3 +56,12 @@ def test_recorded_figures_carry_the_device_and_its_reference() -> None:
     assert {f["reference"] for f in items} == {"D2H"}
     assert all(f["case"] == "2M/64 x 1 ranks (cuda)" for f in items)
     assert {f["reference"] for f in record({"2M/64": _figures()}, 2).items} == {"memcpy"}
+
+
+def test_a_reference_that_went_on_with_fresh_stagers_is_said_so(capsys) -> None:
+    notes = {"dcp.async_save": "64M/2000: KeyError: <class 'type'>"}
+    report({"64M/2000": _figures()}, 1, "cuda", {}, notes)
+    out = capsys.readouterr().out
+    assert "dcp.async_save: its stager failed when reused (64M/2000: KeyError" in out
+    assert "left out" not in out
+    assert any(line.startswith("64M/2000   dcp.async_save") for line in out.splitlines())

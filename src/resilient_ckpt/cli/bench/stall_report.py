@@ -31,8 +31,10 @@ def report(
     ranks: int,
     device: str = "cpu",
     failed: dict[str, str] | None = None,
+    notes: dict[str, str] | None = None,
 ) -> None:
-    """Print the tables; ``failed`` names reference flows that raised (left out)."""
+    """Print the tables; ``failed`` names reference flows that raised (left out), ``notes``
+    those whose reused stager raised once (each save then made its own)."""
     ref, legend = REFERENCES[device]
     print(
         f"\nStall per save at {ranks} ranks, state on {device} (ms; median over reps of the "
@@ -60,6 +62,11 @@ def report(
                 f"{shape:<10} {flow:<26} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
                 f"{target:>13}   (call + wait for the snapshot: {_ms(snap).strip()} ms)"
             )
+    for flow, error in (notes or {}).items():
+        print(
+            f"{flow}: its stager failed when reused ({error}); each save since made a fresh "
+            "one, its set-up included in the stall"
+        )
     for flow, error in (failed or {}).items():
         print(f"{flow}: failed, left out ({error})")
     print("\nFirst save after the warm-up (median of fresh objects) / steady save (target <= 2)")
