@@ -321,20 +321,34 @@ def test_dcp_steady_state_skips_planning_and_replans_every_change(tmp_path, monk
         queue.close()
 
 
+# (what changes, the change, layout reused, header made again for new plain values)
 LOCAL_CHANGES = [
-    ("values only", lambda s: s["w0"].add_(1), True),
-    ("non-tensor value", lambda s: s.__setitem__("step", 2), False),
-    ("values only again", lambda s: s["w0"].add_(1), True),
-    ("float value to its negative zero", lambda s: s.__setitem__("lr", -0.0), False),
-    ("tensor replaced by a new object of the same shape", _replace_same_shape, True),
-    ("nested list value", lambda s: s["nested"]["l"].__setitem__(1, 9), False),
-    ("shape changed", lambda s: s.__setitem__("w6", torch.randn(3, 3)), False),
-    ("dtype changed", lambda s: s.__setitem__("w7", s["w7"].double()), False),
-    ("tensor added in a tuple", lambda s: s["nested"].__setitem__("t", (torch.ones(2),)), False),
-    ("an object of another type", lambda s: s.__setitem__("obj", {3, 4}), False),
-    ("still that object", lambda s: s["w0"].add_(1), False),
-    ("values only after changes", lambda s: s.pop("obj") and s["w0"].add_(1), False),
-    ("values only, steady again", lambda s: s["w0"].add_(1), True),
+    ("values only", lambda s: s["w0"].add_(1), True, False),
+    ("non-tensor value", lambda s: s.__setitem__("step", 2), True, True),
+    ("values only again", lambda s: s["w0"].add_(1), True, False),
+    ("float value to its negative zero", lambda s: s.__setitem__("lr", -0.0), True, True),
+    ("tensor replaced by a new object of the same shape", _replace_same_shape, True, False),
+    ("nested list value", lambda s: s["nested"]["l"].__setitem__(1, 9), True, True),
+    (
+        "a value and a tensor's shape",
+        lambda s: s.update(step=3, w6=torch.randn(3, 3)),
+        False,
+        False,
+    ),
+    ("dtype changed", lambda s: s.__setitem__("w7", s["w7"].double()), False, False),
+    (
+        "tensor added in a tuple",
+        lambda s: s["nested"].__setitem__("t", (torch.ones(2),)),
+        False,
+        False,
+    ),
+    ("an object of another type", lambda s: s.__setitem__("obj", {3, 4}), False, False),
+    ("still that object", lambda s: s["w0"].add_(1), False, False),
+    ("values only after changes", lambda s: s.pop("obj") and s["w0"].add_(1), False, False),
+    ("values only, steady again", lambda s: s["w0"].add_(1), True, False),
+    ("a value beside a tuple's tensor", lambda s: s.__setitem__("step", 4), True, True),
+    ("the same tensor twice", lambda s: s.__setitem__("again", s["w0"]), False, False),
+    ("a value, the same tensor twice", lambda s: s.__setitem__("step", 5), True, True),
 ]
 
 
@@ -351,17 +365,18 @@ def test_local_flow_reuses_the_shard_layout_and_saves_every_change(tmp_path) -> 
     try:
         manager.save(BasicTensorAwareStateDict(state), 1, is_async=False)
         cache = manager._shard_cache
-        for n, (what, change, steady) in enumerate(LOCAL_CHANGES, start=2):
+        for n, (what, change, steady, refreshed) in enumerate(LOCAL_CHANGES, start=2):
             change(state)
             expected = _clone_nested(state)
             expected["nested"]["t"] = tuple(_clone_nested(list(state["nested"]["t"])))
-            hits = cache.hits
+            hits, refreshes = cache.hits, cache.refreshes
             request = manager.save(BasicTensorAwareStateDict(state), n, is_async=True)
             queue.schedule_async_request(request)
             _shift_tensors(state, 100)
             queue.maybe_finalize_async_calls(blocking=True)
             _shift_tensors(state, -100)
             assert (cache.hits == hits + 1) == steady, what
+            assert (cache.refreshes == refreshes + 1) == refreshed, what
             loaded = LocalCheckpointManager(str(tmp_path), "s")
             assert loaded.find_latest() == n
             got = loaded.load()[0].state_dict

@@ -66,6 +66,26 @@ class TensorRecord:
     is_param: bool = False
 
 
+class PickledOnce(list):
+    """A list that is never changed, pickled once, at creation: it travels pickled as
+    ``pickle.loads(payload)`` and unpickles as a plain ``list``. The tensor records of a
+    shard: in its header (which a save whose structure is unchanged but whose plain values
+    differ re-pickles without them costing ~1.5 us each again, see :mod:`._shard_cache`) and
+    in every save's request."""
+
+    def __init__(self, items: Any) -> None:
+        super().__init__(items)
+        self._payload = pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return pickle.loads, (self._payload,)
+
+
+def header_of(body: bytes) -> bytes:
+    """The shard's bytes before its data: the fixed prefix and the pickled ``body``."""
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
+
+
 @dataclass
 class ShardLayout:
     """A shard ready to be written: its header bytes and the tensors, in order."""
@@ -118,6 +138,7 @@ def plan_shard(state: TensorAwareStateDict) -> ShardLayout:
             )
             offset = align(offset + nbytes)
         try:
+            records = PickledOnce(records)
             body = pickle.dumps((state, records), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             raise ConfigurationError(
@@ -127,7 +148,7 @@ def plan_shard(state: TensorAwareStateDict) -> ShardLayout:
             ) from exc
     finally:
         state.insert_tensors(tensors)
-    header = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
+    header = header_of(body)
     data_start = align(len(header))
     return ShardLayout(header, TensorBatch(tensors), records, data_start, data_start + offset)
 
