@@ -35,8 +35,9 @@ when none is passed, and says so; raising again, it is reported and left out. On
 raising ends the run.
 
 DCP states are DTensor shards (every rank writes its own bytes); the other flows save the
-local shards. Figures are medians of the slowest rank per repetition. Optionally
-(``--memory-saves``) RSS and staging memfds over that many saves of a fixed structure.
+local shards. Every save puts a new step number into the state, as a training loop does.
+Figures are medians of the slowest rank per repetition. Optionally (``--memory-saves``) RSS
+and staging memfds over that many saves of a fixed structure.
 Not a test: the figures depend on the machine and its load; read the same-run ratios.
 
     python -m resilient_ckpt.cli.bench_stall --ranks 2 --reps 6
@@ -102,8 +103,8 @@ def _state(
     sharded: dict[str, Any] = {
         k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) for k, v in local.items()
     }
-    sharded["step"] = 100
-    return sharded, {"model": local, "step": 100}
+    sharded["step"] = 0
+    return sharded, {"model": local, "step": 0}
 
 
 class _Memcpy:
@@ -225,8 +226,13 @@ class _Flows:
         self.queue.close()
         self.local_queue.close()
 
-    def _path(self, name: str) -> str:
+    def _next_step(self) -> None:
+        """A new save: its step, as a training loop's, is a new value in the state."""
         self.n += 1
+        self.sharded["step"] = self.local["step"] = self.n
+
+    def _path(self, name: str) -> str:
+        self._next_step()
         return os.path.join(self.dir, f"{name}{self.n}")
 
     def _cleanup(self, path: str) -> None:
@@ -286,7 +292,7 @@ class _Flows:
     def ours_local(self) -> dict[str, float]:
         from ..local import BasicTensorAwareStateDict
 
-        self.n += 1
+        self._next_step()
         dist.barrier()
         started = time.perf_counter()
         request = self.manager.save(BasicTensorAwareStateDict(self.local), self.n, True)
