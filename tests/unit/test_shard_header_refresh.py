@@ -71,3 +71,24 @@ def test_a_changed_structure_is_still_planned_in_full() -> None:
     state["model"]["layer3.w"] = torch.rand(5)
     _check(cache, state)
     assert (cache.hits, cache.refreshes, cache.misses) == (0, 0, 3)
+
+
+def test_a_model_and_optimizer_state_dict_is_refreshed_too() -> None:
+    """The usual state: ``model.state_dict()`` (an OrderedDict with ``_metadata``), an Adam
+    state after a step (tensors keyed by int, param groups of plain values), the iteration."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    cache = ShardPlanCache()
+    for iteration in range(1, 5):
+        model(torch.rand(3, 4)).sum().backward()
+        optim.step()
+        for group in optim.param_groups:
+            group["lr"] *= 0.5  # a schedule: a plain value changing every save
+        state = {"model": model.state_dict(), "optim": optim.state_dict(), "it": iteration}
+        _check(cache, state)
+    # The first save planned in full, the others refreshed (state_dict() makes new objects
+    # every time: new OrderedDicts, new detached tensors over the same storages).
+    assert (cache.hits, cache.refreshes, cache.misses) == (3, 3, 1)
+    state["model"]._metadata[""]["version"] = 2  # type: ignore[attr-defined]
+    _check(cache, state)
+    assert cache.misses == 2  # the module attributes are part of the structure

@@ -8,7 +8,8 @@ dicts, lists and tuples) this cache instead walks the state once (~1 us per entr
 in a dict of tensors of one type) and compares it with the state the cached layout was
 planned from:
 
-* every container's type and keys (dicts) or length (lists, tuples), in order;
+* every container's type and keys (dicts, and ``OrderedDict`` such as a module's
+  ``state_dict()``, with its attributes) or length (lists, tuples), in order;
 * for every tensor, what its placeholder and record hold: type, shape, dtype, device,
   layout, ``requires_grad``;
 * every other leaf's type, when it is one whose equality is exact and whose pickle depends
@@ -33,6 +34,7 @@ from __future__ import annotations
 import itertools
 import operator
 import pickle
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,8 +62,13 @@ _TENSOR_TOKEN = operator.attrgetter(
 
 def _walk(obj: Any, tokens: list, values: list, tensors: list) -> None:
     kind = type(obj)
-    if kind is dict:
-        tokens.append((kind, tuple(obj)))
+    if kind is dict or kind is OrderedDict:
+        if kind is dict:
+            tokens.append((kind, tuple(obj)))
+        else:  # a module's state_dict(): its attributes (``_metadata``) pickle with it
+            attrs = vars(obj)
+            extra = pickle.dumps(attrs, protocol=pickle.HIGHEST_PROTOCOL) if attrs else None
+            tokens.append((kind, tuple(obj), extra))
         items = list(obj.values())
         kinds = list(map(type, items))
         if items and kinds[0] in _TENSORS and kinds.count(kinds[0]) == len(kinds):
@@ -107,17 +114,19 @@ def _hollow(obj: Any, fill: Iterator[TensorPlaceholder], memo: dict[int, Any]) -
     placeholders of ``fill``; dicts and lists, rewritten in place there, kept shared by
     identity here (``memo``); tuples, rebuilt at each visit there, rebuilt here too."""
     kind = type(obj)
-    if kind is dict or kind is list:
+    if kind is dict or kind is list or kind is OrderedDict:
         known = memo.get(id(obj))
         if known is not None:
             return known
-        if kind is dict:
+        if kind is not list:
             items = list(obj.values())
             kinds = set(map(type, items))
             if items and len(kinds) == 1 and kinds <= _TENSOR_SET:
-                out: Any = dict(zip(obj, itertools.islice(fill, len(items)), strict=True))
+                out: Any = kind(zip(obj, itertools.islice(fill, len(items)), strict=True))
             else:
-                out = {key: _hollow(value, fill, memo) for key, value in obj.items()}
+                out = kind((key, _hollow(value, fill, memo)) for key, value in obj.items())
+            if kind is OrderedDict:
+                out.__dict__.update(vars(obj))  # attributes as they are: pop leaves them
         else:
             out = [_hollow(value, fill, memo) for value in obj]
         memo[id(obj)] = out
