@@ -25,6 +25,8 @@ import torch
 from ..errors import CheckpointingException
 from .base_state_dict import TensorAwareStateDict
 
+_DEVICES: dict[torch.device, torch.device] = {}
+
 
 @dataclass(frozen=True)
 class TensorPlaceholder:
@@ -36,7 +38,10 @@ class TensorPlaceholder:
 
     @classmethod
     def of(cls, tensor: torch.Tensor, device: torch.device | None = None) -> TensorPlaceholder:
-        return cls(tuple(tensor.shape), tensor.dtype, device or tensor.device)
+        device = device or tensor.device
+        # One device object per device: a shard header then pickles it once, not once per
+        # tensor (a torch.device pickles through a reduce call: ~1 us of ~1.6 per tensor).
+        return cls(tuple(tensor.shape), tensor.dtype, _DEVICES.setdefault(device, device))
 
     def init_tensor(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=home_device(self.device))
