@@ -32,7 +32,11 @@ After the resume the callback warms the manager up with the state's layout
 (:meth:`TieredCheckpointManager.warmup`): the first save then stalls like a steady one.
 
 At the very first fit, ``get_state_dict`` creates the optimizer's state with a zero-lr step
-over zero gradients (torch's own way to give the state a shape to load into).
+over zero gradients (torch's own way to give the state a shape to load into). That step is
+not harmless: Adam's step counter would start at 1 and its bias corrections differ from a fit
+without this callback. So when nothing was restored, the optimizers whose state was empty get
+it back empty after the warm-up (the first real step creates it, with the layout the warm-up
+planned for).
 """
 
 from __future__ import annotations
@@ -146,12 +150,16 @@ class TieredCheckpointCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.manager is None:
             return
+        empty = [_EmptyState(o) for o in trainer.optimizers if not o.state]
         model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": b""}
-        self._resume(self.manager, trainer, pl_module, state)
+        restored = self._resume(self.manager, trainer, pl_module, state)
         # Plan, start the worker and pre-fault its arena now, so the first save stalls like
         # the others (collective, like the load; writes nothing).
         self.manager.warmup(state)
+        if not restored:
+            for optimizer in empty:  # undo get_state_dict's zero-lr step (module docstring)
+                optimizer.restore()
 
     def _resume(
         self,
@@ -159,14 +167,15 @@ class TieredCheckpointCallback(pl.Callback):
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         state: dict[str, Any],
-    ) -> None:
-        """Load the newest tiered checkpoint into ``state`` and hand Lightning the rest."""
+    ) -> bool:
+        """Load the newest tiered checkpoint into ``state`` and hand Lightning the rest;
+        whether one was restored."""
         connector = trainer._checkpoint_connector
         file_step = int(connector._loaded_checkpoint.get("global_step", -1))
         # Every rank loads, whatever it finds: the load is collective and decides for all.
         step = manager.load(state)
         if step is None or step < file_step:
-            return
+            return False
         set_state_dict(
             pl_module,
             trainer.optimizers,
@@ -185,6 +194,7 @@ class TieredCheckpointCallback(pl.Callback):
         self._last_saved = step
         self.resumed_from = {"step": step, **_restore_report(manager)}
         logger.info("resumed from tiered checkpoint %d (%s)", step, self.resumed_from)
+        return True
 
     def on_train_batch_end(
         self,
@@ -226,6 +236,24 @@ class TieredCheckpointCallback(pl.Callback):
         if self.manager is not None:
             manager, self.manager = self.manager, None
             manager.close()
+
+
+class _EmptyState:
+    """An optimizer whose state is empty now, and can be made so again: its state cleared,
+    and the flag an LR scheduler's step wrapper sets on it put back as it was."""
+
+    _UNSET = object()
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.called = optimizer.__dict__.get("_opt_called", self._UNSET)
+
+    def restore(self) -> None:
+        self.optimizer.state.clear()
+        if self.called is self._UNSET:
+            self.optimizer.__dict__.pop("_opt_called", None)
+        else:
+            self.optimizer.__dict__["_opt_called"] = self.called
 
 
 def _restore_report(manager: TieredCheckpointManager) -> dict[str, Any]:
