@@ -475,12 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
-    base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-    root = tempfile.mkdtemp(prefix="rc_bench_stall_", dir=base)
     if args.gap_ms < 0:
         parser.error(f"--gap-ms must be >= 0, got {args.gap_ms}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    root = tempfile.mkdtemp(prefix="rc_bench_stall_", dir=base)  # after the checks: no leak
     cfg = Config(
         root,
         shapes,
