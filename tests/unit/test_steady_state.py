@@ -233,12 +233,27 @@ DCP_CHANGES = [
     ("requires_grad changed", lambda s: s["param"].requires_grad_(False), False),
     ("nested tensor added", lambda s: s["opt"].__setitem__("m", torch.ones(2)), False),
     ("list now holds a tensor", lambda s: s["opt"].__setitem__("betas", [torch.ones(1)]), False),
-    # A list holding tensors is not modelled: such a state is planned every save.
-    ("still a list with a tensor", lambda s: s["w0"].add_(1), False),
+    # A list holding tensors or mappings is flattened element by element, and modelled so.
+    ("still a list with a tensor", lambda s: s["w0"].add_(1), True),
     ("list back to numbers", lambda s: s["opt"].__setitem__("betas", [0.1, 0.2]), False),
+    ("param groups added", lambda s: s["opt"].__setitem__("groups", _groups(1)), False),
+    ("a param group's value", lambda s: s["opt"]["groups"][0].__setitem__("lr", 0.01), True),
+    ("a param group's tuple", lambda s: s["opt"]["groups"][0].__setitem__("b", (0.8, 0.9)), True),
+    ("a param group added", lambda s: s["opt"].__setitem__("groups", _groups(2)), False),
+    (
+        "a tensor in a param group",
+        lambda s: s["opt"]["groups"][1].__setitem__("t", torch.ones(3)),
+        False,
+    ),
+    ("still that tensor", lambda s: s["opt"]["groups"][1]["t"].add_(1), True),
     ("key removed", lambda s: s.pop("w8"), False),
     ("values only after changes", lambda s: s["w0"].add_(1), True),
 ]
+
+
+def _groups(n: int) -> list[dict]:
+    """Param groups as an optimizer's (or get_state_dict's) state has them."""
+    return [{"lr": 0.1, "b": (0.9, 0.99), "params": [f"w{i}"], "fused": None} for i in range(n)]
 
 
 def _dcp_state() -> dict:
@@ -439,8 +454,7 @@ def test_walk_of_uniform_mappings_equals_the_entry_by_entry_walk(monkeypatch) ->
         patch.setattr(_fast_plan, "_UNIFORM", frozenset())
         patch.setattr(_fast_plan, "_SCALARS", frozenset())
         slow = [_fast_plan.walk(state) for state in states]
-    assert fast[3] is None and slow[3] is None  # a list of dicts: not modelled, either way
-    for got, want in zip(fast[:3] + fast[4:], slow[:3] + slow[4:], strict=True):
+    for got, want in zip(fast, slow, strict=True):
         assert got is not None and want is not None
         assert got[0] == want[0] and got[2] == want[2]
         assert len(got[1]) == len(want[1])
@@ -469,3 +483,51 @@ def test_local_walk_of_a_dict_of_tensors_makes_the_loop_tokens() -> None:
     tensors[1] = tensors[1].double()
     changed = _shard_cache.walk({f"t{i}": t for i, t in enumerate(tensors)})
     assert changed is not None and changed[0][1] != by_dict[0][1] and changed[0][2] != by_dict[0][2]
+
+
+@pytest.mark.timeout(120)
+def test_dcp_steady_state_with_get_state_dict_model_and_optimizer(tmp_path, monkeypatch) -> None:
+    """The usual DCP state, ``get_state_dict(model, optimizer)`` (its param_groups a list of
+    dicts), takes the steady-state path from the second save on, and restores exactly."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    warnings.filterwarnings("ignore")
+    set_ups = []
+    original = DefaultSavePlanner.set_up_planner
+
+    def counting(self, *args, **kwargs):
+        set_ups.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DefaultSavePlanner, "set_up_planner", counting)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    cache = CheckpointMetadataCache()
+    queue = AsyncCallsQueue()
+    try:
+        for n in range(3):
+            model(torch.rand(3, 4)).sum().backward()
+            optim.step()
+            optim.param_groups[0]["lr"] *= 0.5
+            model_sd, optim_sd = get_state_dict(model, optim)
+            expected = _clone_nested({"model": model_sd, "optim": optim_sd})
+            _dcp_save(
+                queue, {"model": model_sd, "optim": optim_sd, "step": n}, tmp_path / f"s{n}", cache
+            )
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            assert len(set_ups) == 1, n  # planned at the first save only
+    finally:
+        queue.close()
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_optim)
+    target = {"model": model_sd, "optim": optim_sd, "step": 0}
+    dcp.load(target, checkpoint_id=str(tmp_path / "s2"))
+    set_state_dict(
+        fresh, fresh_optim, model_state_dict=target["model"], optim_state_dict=target["optim"]
+    )
+    got_model, got_optim = get_state_dict(fresh, fresh_optim)
+    _same_nested(expected, {"model": got_model, "optim": got_optim})
+    assert target["step"] == 2

@@ -7,8 +7,9 @@ see :mod:`._structure`) costs ~10 us per entry: most of a 2000-tensor save's sta
 module checks the same thing in one walk over the *nested* state, ~1 us per entry:
 
 * **tokens**: for every container, its type and its keys in order; for every leaf, its type
-  (for a ``list`` leaf, its elements' types too: DCP traverses a list only if it holds
-  tensors or containers, so that decides the flattening);
+  (for a ``list``, its elements' types too: DCP flattens a list element by element only if
+  it holds tensors or mappings, as an optimizer's ``param_groups`` does, else keeps it as
+  one leaf, so that decides the flattening);
 * **plan keys**: for a tensor, what its write items depend on (shape, dtype,
   ``requires_grad``, layout); for a DTensor, its spec (mesh, placements, global shape,
   stride, dtype: compared by identity first, which holds while the DTensor object is the
@@ -19,8 +20,8 @@ state visited exactly the walk's leaves, in order (checked object by object), so
 planner's flat state can later be rebuilt as ``dict(zip(fqns, leaves))`` without flattening.
 It also keeps the planning context (planner type and settings, writer type, world size,
 ranks), as the signature does. Anything the walk does not model (ShardedTensors, objects
-with ``__create_write_items__``, other tensor subclasses, lists holding containers or
-tensors, non-default planners) gets no record: those saves take the general path.
+with ``__create_write_items__``, other tensor subclasses, lists of lists, non-default
+planners) gets no record: those saves take the general path.
 
 Equal tokens and plan keys imply an equal structure signature, so the cached plan is valid
 for this rank; the saver still agrees across ranks (one small collective) that every rank
@@ -62,17 +63,35 @@ class _Unsupported(Exception):
 
 
 def _leaf(value: Any, tokens: list) -> None:
-    """The token of a leaf that is neither a mapping nor a tensor of ``_PLAN_KEY``."""
+    """The token of a leaf that is neither a mapping, a list nor a tensor of ``_PLAN_KEY``."""
     kind = type(value)
     if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
         raise _Unsupported(kind.__name__)
-    if kind is list:
-        inner = tuple(type(v) for v in value)
-        if any(issubclass(t, (Mapping, list, torch.Tensor)) for t in inner):
-            raise _Unsupported("list of containers or tensors")
-        tokens.append((kind, inner))
-    else:
-        tokens.append(kind)
+    tokens.append(kind)
+
+
+def _list(value: list, tokens: list, leaves: list, keys: list) -> None:
+    """A list: DCP's flattening keeps it whole as one leaf unless it holds a mapping or a
+    tensor (an optimizer's ``param_groups``, say); then it goes element by element."""
+    inner = tuple(map(type, value))
+    if any(issubclass(t, list) for t in inner):
+        raise _Unsupported("list of lists")
+    if not any(issubclass(t, (Mapping, torch.Tensor)) for t in inner):
+        leaves.append(value)
+        tokens.append((list, inner))
+        return
+    tokens.append((list, len(value)))
+    for element, kind in zip(value, inner, strict=True):
+        key_of = _PLAN_KEY.get(kind)
+        if key_of is not None:
+            leaves.append(element)
+            tokens.append(kind)
+            keys.append(key_of(element))
+        elif isinstance(element, Mapping):
+            _walk(element, tokens, leaves, keys)
+        else:
+            leaves.append(element)
+            _leaf(element, tokens)
 
 
 def _walk(mapping: Mapping, tokens: list, leaves: list, keys: list) -> None:
@@ -98,6 +117,8 @@ def _walk(mapping: Mapping, tokens: list, leaves: list, keys: list) -> None:
             keys.append(key_of(value))
         elif isinstance(value, Mapping):
             _walk(value, tokens, leaves, keys)
+        elif kind is list:
+            _list(value, tokens, leaves, keys)
         else:
             leaves.append(value)
             _leaf(value, tokens)
