@@ -11,7 +11,7 @@
 set -u
 out=${1:-${OUT:-/tmp/rc_gpu}}
 py=${PYTHON:-python3}
-budget=${GPU_BUDGET_S:-480}
+budget=${GPU_BUDGET_S:-560}
 ranks=${GPU_BENCH_RANKS:-1}
 mkdir -p "$out"
 start=$(date +%s)
@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())"
 
 echo "== tests marked gpu =="
-timeout 150 "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
+timeout 240 "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
     -rfEs tests >"$out/gpu_tests.log" 2>&1
 echo "exit $?"
 grep -E "passed|failed|error" "$out/gpu_tests.log" | tail -5
