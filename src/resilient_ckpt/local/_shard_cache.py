@@ -66,9 +66,7 @@ def _walk(obj: Any, tokens: list, values: list, tensors: list) -> None:
         if kind is dict:
             tokens.append((kind, tuple(obj)))
         else:  # a module's state_dict(): its attributes (``_metadata``) pickle with it
-            attrs = vars(obj)
-            extra = pickle.dumps(attrs, protocol=pickle.HIGHEST_PROTOCOL) if attrs else None
-            tokens.append((kind, tuple(obj), extra))
+            tokens.append((kind, tuple(obj), _attributes(obj)))
         items = list(obj.values())
         kinds = list(map(type, items))
         if items and kinds[0] in _TENSORS and kinds.count(kinds[0]) == len(kinds):
@@ -94,6 +92,17 @@ def _walk(obj: Any, tokens: list, values: list, tensors: list) -> None:
         # Subclasses of dict/list/tuple (named tuples), other tensor types, objects whose
         # pickle may not follow their equality: always planned in full.
         raise _Unsupported(kind.__name__)
+
+
+def _attributes(obj: Any) -> bytes | None:
+    """An object's attributes as a comparable snapshot (their pickle), None if it has none."""
+    attrs = vars(obj)
+    if not attrs:
+        return None
+    try:
+        return pickle.dumps(attrs, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # the full planning reports it, in its words
+        raise _Unsupported(f"unpicklable attributes: {exc!r}") from exc
 
 
 def walk(state: Any) -> tuple[list, list, TensorBatch] | None:
