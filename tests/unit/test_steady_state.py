@@ -300,19 +300,25 @@ def _clone_nested(value):
     return value
 
 
-@pytest.mark.timeout(180)
-def test_dcp_steady_state_skips_planning_and_replans_every_change(tmp_path, monkeypatch) -> None:
-    """A save that matches the plan record sets the planner up without flattening (no
-    set_up_planner call); each change re-plans; every checkpoint holds its call's values."""
-    warnings.filterwarnings("ignore")
-    set_ups = []
+@pytest.fixture
+def set_ups(monkeypatch) -> list:
+    """One entry per ``DefaultSavePlanner.set_up_planner`` call: a save that plans afresh."""
+    calls: list = []
     original = DefaultSavePlanner.set_up_planner
 
     def counting(self, *args, **kwargs):
-        set_ups.append(1)
+        calls.append(1)
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DefaultSavePlanner, "set_up_planner", counting)
+    return calls
+
+
+@pytest.mark.timeout(180)
+def test_dcp_steady_state_skips_planning_and_replans_every_change(tmp_path, set_ups) -> None:
+    """A save that matches the plan record sets the planner up without flattening (no
+    set_up_planner call); each change re-plans; every checkpoint holds its call's values."""
+    warnings.filterwarnings("ignore")
     cache = CheckpointMetadataCache()
     queue = AsyncCallsQueue()
     state = _dcp_state()
@@ -486,20 +492,12 @@ def test_local_walk_of_a_dict_of_tensors_makes_the_loop_tokens() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_dcp_steady_state_with_get_state_dict_model_and_optimizer(tmp_path, monkeypatch) -> None:
+def test_dcp_steady_state_with_get_state_dict_model_and_optimizer(tmp_path, set_ups) -> None:
     """The usual DCP state, ``get_state_dict(model, optimizer)`` (its param_groups a list of
     dicts), takes the steady-state path from the second save on, and restores exactly."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     warnings.filterwarnings("ignore")
-    set_ups = []
-    original = DefaultSavePlanner.set_up_planner
-
-    def counting(self, *args, **kwargs):
-        set_ups.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(DefaultSavePlanner, "set_up_planner", counting)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -82,16 +82,23 @@ def _list(value: list, tokens: list, leaves: list, keys: list) -> None:
         return
     tokens.append((list, len(value)))
     for element, kind in zip(value, inner, strict=True):
-        key_of = _PLAN_KEY.get(kind)
-        if key_of is not None:
-            leaves.append(element)
-            tokens.append(kind)
-            keys.append(key_of(element))
-        elif isinstance(element, Mapping):
-            _walk(element, tokens, leaves, keys)
-        else:
-            leaves.append(element)
-            _leaf(element, tokens)
+        _entry(element, kind, tokens, leaves, keys)
+
+
+def _entry(value: Any, kind: type, tokens: list, leaves: list, keys: list) -> None:
+    """One value of a mapping, or one element of a list DCP flattens element by element."""
+    key_of = _PLAN_KEY.get(kind)
+    if key_of is not None:
+        leaves.append(value)
+        tokens.append(kind)
+        keys.append(key_of(value))
+    elif isinstance(value, Mapping):
+        _walk(value, tokens, leaves, keys)
+    elif kind is list:
+        _list(value, tokens, leaves, keys)
+    else:
+        leaves.append(value)
+        _leaf(value, tokens)
 
 
 def _walk(mapping: Mapping, tokens: list, leaves: list, keys: list) -> None:
@@ -110,18 +117,7 @@ def _walk(mapping: Mapping, tokens: list, leaves: list, keys: list) -> None:
             keys.extend(map(_PLAN_KEY[kind], tensors))
         return
     for value, kind in zip(values, kinds, strict=True):
-        key_of = _PLAN_KEY.get(kind)
-        if key_of is not None:
-            leaves.append(value)
-            tokens.append(kind)
-            keys.append(key_of(value))
-        elif isinstance(value, Mapping):
-            _walk(value, tokens, leaves, keys)
-        elif kind is list:
-            _list(value, tokens, leaves, keys)
-        else:
-            leaves.append(value)
-            _leaf(value, tokens)
+        _entry(value, kind, tokens, leaves, keys)
 
 
 def walk(state_dict: Mapping) -> tuple[list, list, list] | None:

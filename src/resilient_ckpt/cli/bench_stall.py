@@ -46,9 +46,6 @@ Not a test: the figures depend on the machine and its load; read the same-run ra
 from __future__ import annotations
 
 import argparse
-import ctypes
-import functools
-import mmap
 import os
 import shutil
 import statistics
@@ -56,323 +53,14 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from ..errors import CheckpointingException
+from .bench.stall_flows import CUDA_FLOWS, FLOWS, SHAPES, Config, Flows
 from .bench.stall_report import record, report
-
-SHAPES = {"2M/64": (2 << 20, 64), "64M/2000": (64 << 20, 2000), "256M/8": (256 << 20, 8)}
-
-
-@dataclass(frozen=True)
-class Config:
-    root: str
-    shapes: tuple[str, ...]
-    reps: int
-    warmups: int
-    memory_saves: int
-    first_trials: int = 3
-    gap_s: float = 0.1
-    device: str = "cpu"
-
-
-def _device(rank: int, kind: str) -> torch.device:
-    """This rank's device: the CPU, or CUDA device ``rank % count`` (ranks may share one)."""
-    if kind == "cpu":
-        return torch.device("cpu")
-    index = rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-def _state(
-    rank: int, world: int, nbytes: int, tensors: int, device: torch.device
-) -> tuple[dict, dict]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = init_device_mesh(device.type, (world,))
-    numel = max(1, nbytes // tensors // 4)
-    g = torch.Generator().manual_seed(rank)
-    local = {f"layer{i}.weight": torch.rand(numel, generator=g).to(device) for i in range(tensors)}
-    sharded: dict[str, Any] = {
-        k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) for k, v in local.items()
-    }
-    sharded["step"] = 0
-    return sharded, {"model": local, "step": 0}
-
-
-class _Memcpy:
-    """Single-thread memmove of the same tensors into pre-faulted shared memory."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        fd = os.memfd_create("bench_memcpy")
-        os.ftruncate(fd, max(total, 1))
-        self.mm = mmap.mmap(fd, max(total, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        os.close(fd)
-        self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
-
-    def __call__(self) -> float:
-        dst = self.base.data_ptr()
-        started = time.perf_counter()
-        for t in self.tensors:
-            n = t.numel() * t.element_size()
-            ctypes.memmove(dst, t.data_ptr(), n)
-            dst += n
-        return time.perf_counter() - started
-
-    def close(self) -> None:
-        del self.base
-        self.mm.close()
-
-
-class _PinnedCopy:
-    """The GPU reference: each CUDA tensor copied (``non_blocking``) into its slot of one
-    pre-allocated pinned host buffer, then one synchronize."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        self.buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
-        self.slots, offset = [], 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            self.slots.append(self.buffer[offset : offset + n].view(t.dtype).view(t.shape))
-            offset += n
-
-    def __call__(self) -> float:
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for dst, src in zip(self.slots, self.tensors, strict=True):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        return time.perf_counter() - started
-
-    def close(self) -> None:
-        self.slots = []
-        del self.buffer
-
-
-class _Flows:
-    """One save per flow; each returns {figure: seconds} for this rank."""
-
-    def __init__(self, rank: int, world: int, cfg: Config, shape: str) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        nbytes, tensors = SHAPES[shape]
-        self.rank, self.cfg = rank, cfg
-        self.dir = os.path.join(cfg.root, shape.replace("/", "_"))
-        os.makedirs(self.dir, exist_ok=True)
-        device = _device(rank, cfg.device)
-        self.sharded, self.local = _state(rank, world, nbytes, tensors, device)
-        reference = _PinnedCopy if device.type == "cuda" else _Memcpy
-        self.memcpy: _Memcpy | _PinnedCopy = reference(list(self.local["model"].values()))
-        self.n = 0
-        # First saves after the documented warm-up, each on fresh objects; the last trial's
-        # objects serve the steady-state saves.
-        firsts: dict[str, list[float]] = {}
-        for trial in range(cfg.first_trials):
-            if trial:
-                self._close_flows()
-            self._open_flows(trial)
-            firsts.setdefault("ours torch", []).append(self.torch_async()["stall"])
-            firsts.setdefault("ours DCP", []).append(self.ours_dcp()["stall"])
-            firsts.setdefault("ours local", []).append(self.ours_local()["stall"])
-        self.first = {name: statistics.median(values) for name, values in firsts.items()}
-        # torch's stager as its docs advise for the device: on CUDA pinned memory and
-        # non-blocking copies (and, for the overlapped row, its background staging).
-        cuda = device.type == "cuda"
-        self.stager_options = {
-            False: StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=True,
-                use_async_staging=False,
-                use_non_blocking_copy=cuda,
-            ),
-            True: StagingOptions(),
-        }
-        self.stager = DefaultStager(self.stager_options[False])
-        self.overlap_stager = DefaultStager(self.stager_options[True]) if cuda else None
-        # Reference flows whose stager failed when reused: each save then makes its own
-        # (torch's default when no stager is passed), its set-up counted in the stall.
-        self.fresh_stagers: set[bool] = set()
-
-    def _open_flows(self, trial: int) -> None:
-        """Fresh checkpointing objects, each warmed up as documented."""
-        from ..async_ckpt.core import AsyncCallsQueue
-        from ..async_ckpt.state_dict_saver import CheckpointMetadataCache
-        from ..async_ckpt.torch_ckpt import TorchAsyncCheckpoint
-        from ..async_ckpt.warmup import warmup_async_save
-        from ..local import BasicTensorAwareStateDict, LocalCheckpointManager
-
-        self.torch_ckpt = TorchAsyncCheckpoint()
-        self.torch_ckpt.warmup(self.local)
-        self.queue = AsyncCallsQueue()
-        self.cache = CheckpointMetadataCache()
-        warmup_async_save(self.sharded, self.queue, metadata_cache=self.cache, thread_count=2)
-        self.local_queue = AsyncCallsQueue()
-        self.manager = LocalCheckpointManager(os.path.join(self.dir, f"local{trial}"), "bench")
-        self.manager.warmup(BasicTensorAwareStateDict(self.local), self.local_queue)
-
-    def _close_flows(self) -> None:
-        self.torch_ckpt.close()
-        self.queue.close()
-        self.local_queue.close()
-
-    def _next_step(self) -> None:
-        """A new save: its step, as a training loop's, is a new value in the state."""
-        self.n += 1
-        self.sharded["step"] = self.local["step"] = self.n
-
-    def _path(self, name: str) -> str:
-        self._next_step()
-        return os.path.join(self.dir, f"{name}{self.n}")
-
-    def _cleanup(self, path: str) -> None:
-        dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-
-    def copy(self) -> dict[str, float]:
-        dist.barrier()
-        return {"stall": self.memcpy()}
-
-    def ours_dcp(self, overlap: bool = False) -> dict[str, float]:
-        from ..async_ckpt.core import AsyncRequest
-        from ..async_ckpt.filesystem_async import FileSystemWriterAsync
-        from ..async_ckpt.state_dict_saver import (
-            save_state_dict_async_finalize,
-            save_state_dict_async_plan,
-        )
-
-        path = self._path("dcp")
-        dist.barrier()
-        started = time.perf_counter()
-        writer = FileSystemWriterAsync(path, thread_count=2)
-        ret = save_state_dict_async_plan(
-            self.sharded, writer, enable_cache=True, metadata_cache=self.cache
-        )
-        save_fn, preload_fn, args = writer.get_save_function_and_args()
-        finalize = functools.partial(save_state_dict_async_finalize, *ret)
-        request = AsyncRequest(save_fn, args, [finalize], preload_fn=preload_fn)
-        self.queue.schedule_async_request(request, overlap_staging=overlap)
-        stall = time.perf_counter() - started
-        self.queue.wait_for_snapshot()
-        snapshot = time.perf_counter() - started
-        self.queue.maybe_finalize_async_calls(blocking=True)
-        self._cleanup(path)
-        return {"stall": stall, "snapshot": snapshot}
-
-    def ours_dcp_overlap(self) -> dict[str, float]:
-        return self.ours_dcp(overlap=True)
-
-    def torch_async(self, overlap: bool = False) -> dict[str, float]:
-        path = self._path(f"rank{self.rank}_pt")
-        dist.barrier()
-        started = time.perf_counter()
-        self.torch_ckpt.async_save(self.local, path, overlap_staging=overlap)
-        stall = time.perf_counter() - started
-        self.torch_ckpt.wait_for_snapshot()
-        snapshot = time.perf_counter() - started
-        self.torch_ckpt.finalize_async_save(blocking=True)
-        dist.barrier()
-        os.unlink(path)
-        return {"stall": stall, "snapshot": snapshot}
-
-    def torch_async_overlap(self) -> dict[str, float]:
-        return self.torch_async(overlap=True)
-
-    def ours_local(self) -> dict[str, float]:
-        from ..local import BasicTensorAwareStateDict
-
-        self._next_step()
-        dist.barrier()
-        started = time.perf_counter()
-        request = self.manager.save(BasicTensorAwareStateDict(self.local), self.n, True)
-        if request is None:  # is_async=True always returns the request
-            raise CheckpointingException("LocalCheckpointManager.save(is_async=True) gave None")
-        self.local_queue.schedule_async_request(request)
-        stall = time.perf_counter() - started
-        self.local_queue.maybe_finalize_async_calls(blocking=True)
-        return {"stall": stall}
-
-    def dcp_async_save(self, overlap: bool = False) -> dict[str, float]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-        from torch.distributed.checkpoint.staging import DefaultStager
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        path = self._path("torch_dcp")
-        fresh = overlap in self.fresh_stagers
-        dist.barrier()
-        started = time.perf_counter()
-        stager: Any = self.overlap_stager if overlap else self.stager
-        if fresh:
-            stager = DefaultStager(self.stager_options[overlap])
-        response = dcp.async_save(
-            self.sharded,
-            storage_writer=dcp.FileSystemWriter(path, thread_count=2),
-            planner=DefaultSavePlanner(enable_plan_caching=True),
-            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-            async_stager=stager,
-        )
-        stall = time.perf_counter() - started
-        # Background staging answers with two futures (torch >= 2.9), else one.
-        staged = getattr(response, "staging_completion", None)
-        if staged is not None:
-            staged.result()
-        snapshot = time.perf_counter() - started
-        upload: Any = getattr(response, "upload_completion", response)
-        upload.result()
-        if fresh:
-            stager.close()
-        self._cleanup(path)
-        return {"stall": stall, "snapshot": snapshot}
-
-    def dcp_async_save_overlap(self) -> dict[str, float]:
-        return self.dcp_async_save(overlap=True)
-
-    def memory(self, saves: int) -> dict[str, float]:
-        import psutil
-
-        from ..async_ckpt._arena import open_arena_fds as memfds
-
-        proc = psutil.Process()
-        self.torch_async()
-        rss0, fds0 = proc.memory_info().rss, memfds()
-        peak = rss0
-        for _ in range(saves):
-            self.torch_async()
-            peak = max(peak, proc.memory_info().rss)
-        return {"rss_growth": (peak - rss0) / rss0, "new_memfds": float(memfds() - fds0)}
-
-    def close(self) -> None:
-        self._close_flows()
-        self.stager.close()
-        if self.overlap_stager is not None:
-            self.overlap_stager.close()
-        self.memcpy.close()
-
-
-FLOWS: dict[str, Callable[[_Flows], dict[str, float]]] = {
-    "memcpy": _Flows.copy,
-    "ours DCP": _Flows.ours_dcp,
-    "ours torch": _Flows.torch_async,
-    "ours local": _Flows.ours_local,
-    "dcp.async_save": _Flows.dcp_async_save,
-    "ours DCP overlapped": _Flows.ours_dcp_overlap,
-    "ours torch overlapped": _Flows.torch_async_overlap,
-}
-# CUDA only: torch's "zero-overhead" staging (pinned memory copied on a background thread).
-CUDA_FLOWS = {"dcp.async_save overlapped": _Flows.dcp_async_save_overlap}
-
 
 # Flows of torch's, not ours: one that fails (a torch release's own bug) is retried with a
 # fresh stager per save, and if that fails too, reported and left out of the later
@@ -380,7 +68,7 @@ CUDA_FLOWS = {"dcp.async_save overlapped": _Flows.dcp_async_save_overlap}
 REFERENCE_FLOWS = {"dcp.async_save": False, "dcp.async_save overlapped": True}
 
 
-def _run_flow(name: str, flow: Callable[[_Flows], dict[str, float]], flows: _Flows) -> Any:
+def _run_flow(name: str, flow: Callable[[Flows], dict[str, float]], flows: Flows) -> Any:
     """The flow's figures, or (reference flows only) the failure as a string."""
     try:
         return flow(flows)
@@ -399,7 +87,7 @@ def _rank_main(
     notes: dict[str, str] = {}
     chosen = {**FLOWS, **(CUDA_FLOWS if cfg.device == "cuda" else {})}
     for shape in cfg.shapes:
-        flows = _Flows(rank, world, cfg, shape)
+        flows = Flows(rank, world, cfg, shape)
         samples: dict[str, list[float]] = {}
         for rep in range(cfg.warmups + cfg.reps):
             for name, flow in chosen.items():

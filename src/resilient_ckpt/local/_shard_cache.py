@@ -45,8 +45,7 @@ from ._format import PickledOnce, ShardLayout, align, header_of
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 
 _EXACT = (int, str, bytes, bool, type(None))
-_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_TENSOR_SET = frozenset(_TENSORS)
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 class _Unsupported(Exception):
@@ -60,6 +59,13 @@ _TENSOR_TOKEN = operator.attrgetter(
 )
 
 
+def _one_tensor_type(items: list) -> bool:
+    """Whether ``items`` (a dict's values) are all tensors of one type (a model's
+    parameters): then walked, and hollowed, by C-level passes."""
+    kinds = set(map(type, items))
+    return len(kinds) == 1 and kinds <= _TENSORS
+
+
 def _walk(obj: Any, tokens: list, values: list, tensors: list) -> None:
     kind = type(obj)
     if kind is dict or kind is OrderedDict:
@@ -68,8 +74,7 @@ def _walk(obj: Any, tokens: list, values: list, tensors: list) -> None:
         else:  # a module's state_dict(): its attributes (``_metadata``) pickle with it
             tokens.append((kind, tuple(obj), _attributes(obj)))
         items = list(obj.values())
-        kinds = list(map(type, items))
-        if items and kinds[0] in _TENSORS and kinds.count(kinds[0]) == len(kinds):
+        if _one_tensor_type(items):
             tensors.extend(items)
             tokens.extend(map(_TENSOR_TOKEN, items))
             return
@@ -129,8 +134,7 @@ def _hollow(obj: Any, fill: Iterator[TensorPlaceholder], memo: dict[int, Any]) -
             return known
         if kind is not list:
             items = list(obj.values())
-            kinds = set(map(type, items))
-            if items and len(kinds) == 1 and kinds <= _TENSOR_SET:
+            if _one_tensor_type(items):
                 out: Any = kind(zip(obj, itertools.islice(fill, len(items)), strict=True))
             else:
                 out = kind((key, _hollow(value, fill, memo)) for key, value in obj.items())
@@ -142,16 +146,17 @@ def _hollow(obj: Any, fill: Iterator[TensorPlaceholder], memo: dict[int, Any]) -
         return out
     if kind is tuple:
         return tuple(_hollow(value, fill, memo) for value in obj)
-    if kind in _TENSOR_SET:
+    if kind in _TENSORS:
         return next(fill)
     return obj
 
 
 def hollow_body(
-    state: BasicTensorAwareStateDict, placeholders: list, records: PickledOnce
+    state: BasicTensorAwareStateDict, placeholders: list, records: list
 ) -> bytes | None:
     """The header body ``plan_shard`` would pickle for ``state``, whose tensors would leave
-    ``placeholders`` (see the module docstring); None where it cannot be made so."""
+    ``placeholders``, with ``records`` (the cached layout's, a ``PickledOnce``; see the module
+    docstring); None where it cannot be made so."""
     fill = iter(placeholders)
     try:
         hollow = _hollow(state.state_dict, fill, {})
@@ -195,9 +200,7 @@ class ShardPlanCache:
             return self._plan_full(state, plan_full, walked)
         _, values, tensors = walked
         if values != self._values:
-            body = None
-            if isinstance(cached.records, PickledOnce):
-                body = hollow_body(state, self._placeholders, cached.records)
+            body = hollow_body(state, self._placeholders, cached.records)
             if body is None:
                 return self._plan_full(state, plan_full, walked)
             header = header_of(body)
