@@ -84,7 +84,8 @@ class WorkerOptions:
     """How a persistent background worker runs (NVRx's ``PersistentAsyncCaller`` arguments)."""
 
     is_daemon: bool = True
-    # None leaves the worker's priority alone (no nice/ionice calls), as NVRx.
+    # A nice value, applied with the SCHED_BATCH policy (the worker never preempts the
+    # trainer when a request wakes it). None leaves the worker's priority alone, as NVRx.
     cpu_priority: int | None = 10
     io_priority: int | None = None
     sigterm_timeout: float = 30.0

@@ -233,6 +233,28 @@ def test_bounded_memory_over_50_saves(tmp_path) -> None:
     ckpt.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
+@pytest.mark.parametrize("cpu_priority", [10, None])
+def test_worker_runs_as_a_batch_process_at_its_nice_value(cpu_priority) -> None:
+    parent_policy = os.sched_getscheduler(0)
+    queue = AsyncCallsQueue(timeouts=FAST, cpu_priority=cpu_priority)
+    try:
+        queue.schedule_async_request(AsyncRequest(_helpers.return_none, (), []))
+        queue.maybe_finalize_async_calls(blocking=True)
+        pid = queue.persistent_caller.process.pid  # type: ignore[union-attr]
+        policy = os.sched_getscheduler(pid)
+        nice = os.getpriority(os.PRIO_PROCESS, pid)
+    finally:
+        queue.close()
+    if cpu_priority is None:  # left alone, as NVRx
+        assert policy == parent_policy
+        assert nice == os.getpriority(os.PRIO_PROCESS, 0)
+    else:
+        assert policy == os.SCHED_BATCH
+        assert nice == max(cpu_priority, os.getpriority(os.PRIO_PROCESS, 0))
+    assert os.sched_getscheduler(0) == parent_policy  # the trainer is untouched
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [

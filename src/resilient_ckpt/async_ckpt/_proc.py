@@ -48,8 +48,18 @@ def start_parent_watchdog(parent_pid: int, interval: float = 0.5) -> threading.T
 
 
 def set_qos(cpu_priority: int | None, io_priority: int | None) -> None:
-    """Lower this process's CPU (nice) and I/O (ionice class) priority; never fatal."""
+    """Lower this process's CPU and I/O priority; never fatal.
+
+    ``cpu_priority`` (a nice value) also moves the process to ``SCHED_BATCH``, inherited by
+    the threads it starts afterwards. A worker is woken by every request the trainer sends;
+    under the default policy the woken worker may preempt the trainer on its own core while
+    the trainer is still inside its save call (seen on a machine with fewer cores than
+    processes as 1-3 ms more stall per save at 2000 tensors). A batch process is never
+    favoured at wake-up: it runs on an idle core, or after the trainer yields. Its
+    throughput is unchanged.
+    """
     if cpu_priority is not None and 0 <= cpu_priority <= 19:
+        _batch_scheduling()
         try:
             current = os.nice(0)
             if cpu_priority > current:
@@ -63,3 +73,13 @@ def set_qos(cpu_priority: int | None, io_priority: int | None) -> None:
             psutil.Process().ionice(int(io_priority))
         except (OSError, ValueError, ImportError, AttributeError) as exc:
             logger.warning("could not set ionice class %s: %s", io_priority, exc)
+
+
+def _batch_scheduling() -> None:
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None:  # not Linux
+        return
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError as exc:
+        logger.warning("could not set the SCHED_BATCH policy: %s", exc)
