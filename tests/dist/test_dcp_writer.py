@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from resilient_ckpt._torch_compat import DTensor, Shard
 
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint import (
     load,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
 
+from resilient_ckpt._torch_compat import DTensor, Shard
 from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
 )

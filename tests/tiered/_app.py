@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from resilient_ckpt._torch_compat import DTensor, Shard, distribute_tensor
 
 ROWS, COLS = 8, 6
 

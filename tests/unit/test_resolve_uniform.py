@@ -69,7 +69,8 @@ def _resolved(state: dict) -> tuple[bool, list[str]]:
 
 def _cases(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from resilient_ckpt._torch_compat import DTensor, Replicate, Shard
 
     mesh = init_device_mesh("cpu", (world,))
     plain = {f"w{i}": torch.rand(4, 3) for i in range(5)}

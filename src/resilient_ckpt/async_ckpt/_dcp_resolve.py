@@ -25,12 +25,8 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from .._torch_compat import DTensor, Replicate, Shard
 from ..errors import ConfigurationError
-
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
     from ._dcp_buckets import ItemsBlob

@@ -38,10 +38,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+from .._torch_compat import DTensor
 
 # What a tensor leaf's write items depend on, by its exact type (the plan keys above).
 _PLAN_KEY: dict[type, Any] = {

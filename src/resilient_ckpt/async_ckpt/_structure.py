@@ -20,15 +20,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-
-from ..errors import ConfigurationError
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
-
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from .._torch_compat import DTensor
+from ..errors import ConfigurationError
 
 
 def check_state_dict(state_dict: Any) -> None:

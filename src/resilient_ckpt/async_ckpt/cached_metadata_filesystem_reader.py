@@ -29,10 +29,11 @@ from collections import OrderedDict
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from .._torch_compat import has_stream_transforms, with_load_id
 from ..storage.base import is_msc_url
 from ..storage.commit import COMMIT_RECORD
 from ..storage.factory import get_backend
@@ -86,7 +87,7 @@ class CachedMetadataFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._object_store is None:
-            if any(self.storage_data[i.storage_index].transform_descriptors for i in plan.items):
+            if has_stream_transforms(self.storage_data, plan.items):
                 return super().read_data(plan, planner)
             # Files mapped, each tensor copied once from the page cache into its target
             # (torch's reader copies each item into a fresh storage first).
@@ -147,9 +148,11 @@ class CachedMetadataFileSystemReader(FileSystemReader):
 
     def _for_this_reader(self, metadata: Metadata) -> Metadata:
         mine = copy.copy(metadata)
-        storage_meta = copy.copy(metadata.storage_meta) if metadata.storage_meta else StorageMeta()
-        storage_meta.load_id = self.load_id
-        mine.storage_meta = storage_meta
+        storage_meta = with_load_id(
+            getattr(metadata, "storage_meta", None), getattr(self, "load_id", "")
+        )
+        if storage_meta is not None:
+            mine.storage_meta = storage_meta
         return mine
 
     @classmethod

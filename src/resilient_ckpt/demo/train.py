@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from .._torch_compat import DTensor, Shard, distribute_tensor
 from ..tiered import TieredCheckpointManager
 
 HIDDEN = 512

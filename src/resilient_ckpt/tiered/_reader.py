@@ -39,6 +39,7 @@ from torch.futures import Future
 
 from .. import _checksum
 from .._logging import get_logger
+from .._torch_compat import has_stream_transforms
 from ..async_ckpt._item_reader import byte_view, read_items
 from ..errors import CorruptCheckpointError, StorageError
 from ..local._reader import check_against_manifest, read_verified
@@ -192,7 +193,7 @@ class VerifyingReader(FileSystemReader):
         """Each file verified once, its tensors copied once into the targets, straight
         from the mapped copy (``_item_reader``); items with stream transforms go through
         torch's reader."""
-        if any(self.storage_data[i.storage_index].transform_descriptors for i in plan.items):
+        if has_stream_transforms(self.storage_data, plan.items):
             return super().read_data(plan, planner)
         fs = cast(LocatingFileSystem, self.fs)
         if self.exchange_group is not None:

@@ -48,7 +48,8 @@ def _state(
     rank: int, world: int, nbytes: int, tensors: int, device: torch.device
 ) -> tuple[dict, dict]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+
+    from ..._torch_compat import DTensor, Shard
 
     mesh = init_device_mesh(device.type, (world,))
     numel = max(1, nbytes // tensors // 4)

@@ -1,0 +1,62 @@
+"""What differs between the torch releases the package supports (``torch>=2.3``).
+
+One place for the names that moved or appeared after 2.3, so the rest of the package
+imports them from here and reads the same on every release.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "DTensor",
+    "Replicate",
+    "Shard",
+    "StorageMeta",
+    "distribute_tensor",
+    "has_stream_transforms",
+    "storage_meta_of",
+    "with_load_id",
+]
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+except ImportError:  # torch < 2.5: the same classes under their private module
+    from torch.distributed._tensor import (  # type: ignore[no-redef]
+        DTensor,
+        Replicate,
+        Shard,
+        distribute_tensor,
+    )
+
+try:
+    from torch.distributed.checkpoint.metadata import StorageMeta
+except ImportError:  # torch < 2.4: a checkpoint's metadata has no storage identity
+    StorageMeta = None  # type: ignore[assignment,misc]
+
+
+def storage_meta_of(writer: Any) -> Any:
+    """``writer.storage_meta()`` (the checkpoint id DCP records in the metadata) where torch
+    has it (2.4 and later); None on earlier releases, whose metadata has no such field."""
+    method = getattr(writer, "storage_meta", None)
+    return None if method is None else method()
+
+
+def with_load_id(storage_meta: Any, load_id: str) -> Any:
+    """A copy of ``storage_meta`` (or a new one) carrying ``load_id``; None where torch has
+    no ``StorageMeta``."""
+    if StorageMeta is None:
+        return None
+    import copy
+
+    mine = copy.copy(storage_meta) if storage_meta else StorageMeta()
+    mine.load_id = load_id
+    return mine
+
+
+def has_stream_transforms(storage_data: Any, items: Any) -> bool:
+    """Whether any read item's file data went through storage-writer stream transforms
+    (torch 2.8 and later record them; earlier releases have none)."""
+    return any(
+        getattr(storage_data[item.storage_index], "transform_descriptors", None) for item in items
+    )
