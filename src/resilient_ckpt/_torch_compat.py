@@ -15,6 +15,7 @@ __all__ = [
     "StorageMeta",
     "distribute_tensor",
     "has_stream_transforms",
+    "no_dist_kwargs",
     "storage_meta_of",
     "with_load_id",
 ]
@@ -60,3 +61,12 @@ def has_stream_transforms(storage_data: Any, items: Any) -> bool:
     return any(
         getattr(storage_data[item.storage_index], "transform_descriptors", None) for item in items
     )
+
+
+def no_dist_kwargs(dcp_call: Any) -> dict[str, bool]:
+    """Keyword arguments making ``dcp.save`` / ``dcp.load`` (``dcp_call``) run in this
+    process alone: ``no_dist=True`` where the call takes it (torch 2.6 and later); none
+    before, where the call runs alone whenever no default process group is initialised."""
+    import inspect
+
+    return {"no_dist": True} if "no_dist" in inspect.signature(dcp_call).parameters else {}

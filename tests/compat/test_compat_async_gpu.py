@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 
@@ -70,7 +71,11 @@ def test_cuda_source_released_before_the_filesystem_write(tmp_path, is_daemon) -
         assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [idx]
         finalized = True
         restored = {"value": torch.empty(_NUMEL, dtype=torch.float32)}
-        dcp.load(restored, storage_reader=FileSystemReader(str(checkpoint_dir)), no_dist=True)
+        dcp.load(
+            restored,
+            storage_reader=FileSystemReader(str(checkpoint_dir)),
+            **no_dist_kwargs(dcp.load),
+        )
         assert torch.all(restored["value"] == 3.5)
     finally:
         release.touch()

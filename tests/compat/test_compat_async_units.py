@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from resilient_ckpt import _rank_errors
+from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.async_ckpt import filesystem_async
 from resilient_ckpt.async_ckpt._callers import AsyncCaller, LocalStatus, TemporalAsyncCaller
 from resilient_ckpt.async_ckpt._completion import State
@@ -342,7 +343,7 @@ def test_writer_transfers_its_payload_and_still_writes(tmp_path, use_cpu_shm) ->
     opened = log.read_text().splitlines()
     assert len(opened) == 1 and "__0_0.distcp" in opened[0] and opened[0].endswith(" wb")
     restored = {"value": torch.empty(8, dtype=torch.int64), "step": 0}
-    dcp.load(restored, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+    dcp.load(restored, storage_reader=FileSystemReader(str(ckpt)), **no_dist_kwargs(dcp.load))
     assert torch.equal(restored["value"], torch.arange(8)) and restored["step"] == 3
 
 
@@ -423,7 +424,7 @@ def _extra_state(amax: float, scale: float) -> torch.Tensor:
 
 
 def _save_ours(state: dict, path: str) -> Any:
-    dcp.save(state, storage_writer=FileSystemWriterAsync(path), no_dist=True)
+    dcp.save(state, storage_writer=FileSystemWriterAsync(path), **no_dist_kwargs(dcp.save))
     with open(os.path.join(path, ".metadata"), "rb") as f:
         return pickle.load(f)
 

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest, abort_nvrx_checkpoint
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 from resilient_ckpt.errors import AsyncCallFailedError
@@ -126,7 +127,9 @@ def test_worker_writes_after_the_trainer_released_its_tensors(tmp_path, is_daemo
         assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0]
         finalized = True
         restored = {"value": torch.empty(8, dtype=torch.int64), "step": 0}
-        dcp.load(restored, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
+        dcp.load(
+            restored, storage_reader=FileSystemReader(str(ckpt_dir)), **no_dist_kwargs(dcp.load)
+        )
         assert torch.equal(restored["value"], torch.arange(8)) and restored["step"] == 3
     finally:
         release.touch()

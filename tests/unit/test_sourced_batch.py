@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.async_ckpt import _dcp_buckets
 from resilient_ckpt.async_ckpt._batch import SourcedBatch
 from resilient_ckpt.async_ckpt._stage_cache import StageCache
@@ -111,7 +112,7 @@ def _saves(tmp_path, state: dict, monkeypatch, count: int = 3) -> tuple[list[str
                 state[value].data.add_(10)
             queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
             loaded = {k: torch.zeros_like(v) for k, v in expected.items()}
-            dcp.load(loaded, checkpoint_id=str(tmp_path / f"s{n}"), no_dist=True)
+            dcp.load(loaded, checkpoint_id=str(tmp_path / f"s{n}"), **no_dist_kwargs(dcp.load))
             for key, value in expected.items():
                 assert torch.equal(loaded[key], value), (n, key)
         assert queue.persistent_caller is not None

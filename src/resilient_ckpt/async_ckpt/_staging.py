@@ -303,9 +303,29 @@ def unstage(payload: bytes, arena: Arena | None, slots: tuple[Slot, ...]) -> Any
     """Worker side: unpickle a staged request; its tensors view ``arena``."""
     _unstaging.arena, _unstaging.slots, _unstaging.storages = arena, slots, {}
     try:
-        return pickle.loads(payload)
+        obj = pickle.loads(payload)
+    except BaseException:
+        _pending_sparse().clear()
+        raise
     finally:
         _unstaging.arena, _unstaging.slots, _unstaging.storages = None, (), None
+    _validate_sparse()
+    return obj
+
+
+def _pending_sparse() -> list:
+    return getattr(torch._utils, "_sparse_tensors_to_validate", [])
+
+
+def _validate_sparse() -> None:
+    """What ``torch.load`` does after unpickling: torch's sparse-tensor rebuild puts every
+    sparse tensor on a process-wide list to validate once its storages are loaded. Not
+    emptied here, the list would keep them (and the arena memory they view) alive until some
+    later ``torch.load`` in this process validates them, by then over reused memory (torch
+    2.5 then fails that unrelated load: "size is inconsistent with indices")."""
+    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if validate is not None:
+        validate()
 
 
 def stage(

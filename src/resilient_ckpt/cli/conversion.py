@@ -122,6 +122,7 @@ def torch_to_dcp(src: str, dst: str, progress: Progress | None = None) -> None:
     """A ``torch.save`` file (a dict) into a DCP checkpoint directory with checksums."""
     import torch.distributed.checkpoint as dcp
 
+    from .._torch_compat import no_dist_kwargs
     from ..async_ckpt.filesystem_async import FileSystemWriterAsync
     from ..errors import ConfigurationError
 
@@ -131,6 +132,6 @@ def torch_to_dcp(src: str, dst: str, progress: Progress | None = None) -> None:
             f"{src!r} holds a {type(state).__name__}; only a dict (a state dict) converts to DCP"
         )
     os.makedirs(dst, exist_ok=True)
-    dcp.save(state, storage_writer=FileSystemWriterAsync(dst), no_dist=True)
+    dcp.save(state, storage_writer=FileSystemWriterAsync(dst), **no_dist_kwargs(dcp.save))
     if progress is not None:
         progress(sum(e.stat().st_size for e in os.scandir(dst) if e.is_file()))
