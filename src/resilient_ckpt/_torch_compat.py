@@ -1,7 +1,8 @@
-"""What differs between the torch releases the package supports (``torch>=2.3``).
+"""What differs between the torch releases the package supports (``torch>=2.4``).
 
-One place for the names that moved or appeared after 2.3, so the rest of the package
-imports them from here and reads the same on every release.
+One place for the names that moved or appeared after 2.4, so the rest of the package
+imports them from here and reads the same on every release. (Torch 2.3's DCP lacks what the
+async writer and reader build on: see the README, "Supported torch releases".)
 """
 
 from __future__ import annotations
