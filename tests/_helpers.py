@@ -107,3 +107,12 @@ def flip_byte(path: str) -> None:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def result_then_linger(rank: int, world_size: int, seconds: float) -> int:
+    """A rank function whose process outlives its result: a non-daemon thread keeps the
+    interpreter from exiting (as a hung process-group teardown would)."""
+    import threading
+
+    threading.Thread(target=time.sleep, args=(seconds,), daemon=False).start()
+    return rank * 10

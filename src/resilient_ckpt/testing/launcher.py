@@ -26,7 +26,13 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from .._logging import get_logger
 from ..errors import CheckpointingException
+
+logger = get_logger(__name__)
+
+# How long a rank that sent its result may take to exit (its process-group teardown).
+TEARDOWN_GRACE_S = 30.0
 
 
 class RankFailure(CheckpointingException):
@@ -182,8 +188,19 @@ def launch(
                 if kind == "error":
                     raise RankFailure(f"rank {rank} raised:\n{value}", rank)
                 results[rank] = value
+        # Every result is in: a rank still tearing its process group down (torch 2.5's
+        # gloo can block there once its peers have exited) gets a grace period, not the
+        # rest of the deadline, and is then killed by the clean-up below.
+        teardown_ends = min(deadline, time.monotonic() + TEARDOWN_GRACE_S)
         for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
+            p.join(max(0.1, teardown_ends - time.monotonic()))
+        stuck = [r for r, p in enumerate(procs) if p.exitcode is None]
+        if stuck:
+            logger.warning(
+                "rank(s) %s sent their results but did not exit within %.0fs; killed",
+                stuck,
+                TEARDOWN_GRACE_S,
+            )
     finally:
         _kill_all(procs)
         for c in conns:
