@@ -15,7 +15,9 @@ detached objects would be made only to be described and dropped.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -58,3 +60,80 @@ class SourcedBatch:
 
     def __reduce_ex__(self, protocol: object) -> tuple:
         return list, (list(map(torch.Tensor.detach, self.checked())),)
+
+
+# A dict with fewer tensors gains less from one batch than its checks cost.
+MIN_BATCHED = 8
+_DICTS = (dict, OrderedDict)
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+class TensorDict:
+    """A ``dict`` (or ``OrderedDict``, with its attributes) of distinct tensors, staged as
+    one :class:`TensorBatch`; unpickled, it is the same dict again.
+
+    For the ``torch.save`` flow, whose state is the user's: a model's ``state_dict()`` is one
+    dict of hundreds to thousands of tensors, each a reducer call and a descriptor of its own
+    otherwise (~0.7 us per tensor, cache-cold, on a steady save). Its tensors are rebuilt as
+    the batch's objects: a tensor of the dict that the rest of the state also holds (the very
+    object, not a view or a tied weight, which share storages and stay shared) is rebuilt as
+    a second tensor over the same storage.
+    """
+
+    __slots__ = ("attrs", "keys", "kind", "tensors")
+
+    def __init__(
+        self, kind: type, keys: list, tensors: TensorBatch, attrs: dict | None = None
+    ) -> None:
+        self.kind = kind
+        self.keys = keys
+        self.tensors = tensors
+        self.attrs = attrs
+
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        return _rebuild_dict, (self.kind, self.keys, self.tensors, self.attrs)
+
+
+def _rebuild_dict(kind: type, keys: list, tensors: list, attrs: dict | None) -> dict:
+    rebuilt = kind(zip(keys, tensors, strict=True))
+    if attrs:
+        rebuilt.__dict__.update(attrs)
+    return rebuilt
+
+
+def _as_batch(obj: Any) -> TensorDict | None:
+    """``obj`` as a :class:`TensorDict` if it is a dict of at least ``MIN_BATCHED`` distinct
+    tensors (checked by C-level passes), else None."""
+    if type(obj) not in _DICTS or len(obj) < MIN_BATCHED:
+        return None
+    values = list(obj.values())
+    if not set(map(type, values)) <= _TENSOR_TYPES or len(set(map(id, values))) != len(values):
+        return None
+    attrs = dict(vars(obj)) if type(obj) is OrderedDict and vars(obj) else None
+    return TensorDict(type(obj), list(obj), TensorBatch(values), attrs)
+
+
+def batch_tensor_dicts(state: Any) -> Any:
+    """``state`` with its dicts of tensors as :class:`TensorDict`: ``state`` itself, or its
+    direct dict values (the ``"model"`` of ``{"model": ..., "optimizer": ..., "step": ...}``);
+    nothing deeper, so the cost is a few C-level passes per candidate dict. The caller's
+    objects are not changed (a new outer dict of the same type holds the replacements), and a
+    dict met under two keys stays one object."""
+    whole = _as_batch(state)
+    if whole is not None:
+        return whole
+    if type(state) not in _DICTS:
+        return state
+    replaced: dict[int, TensorDict | None] = {}
+    for value in state.values():
+        if type(value) in _DICTS and id(value) not in replaced:
+            replaced[id(value)] = _as_batch(value)
+    if not any(replaced.values()):
+        return state
+    outer = type(state)(
+        (key, replaced.get(id(value)) or value) if type(value) in _DICTS else (key, value)
+        for key, value in state.items()
+    )
+    if type(state) is OrderedDict and vars(state):
+        outer.__dict__.update(vars(state))
+    return outer

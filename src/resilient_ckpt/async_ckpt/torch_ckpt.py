@@ -25,6 +25,7 @@ from ..storage.base import is_msc_url
 from ..storage.commit import write_atomically
 from ..storage.factory import get_backend
 from ..utils import iter_tensors, preload_tensors
+from ._batch import batch_tensor_dicts
 from .core import AsyncCallsQueue, AsyncRequest
 
 
@@ -122,7 +123,13 @@ class TorchAsyncCheckpoint:
     def warmup(self, state_dict: Any) -> None:
         """Start the worker and size a staging arena for ``state_dict`` ahead of the first
         save, so that save costs what a steady one does (see ``AsyncCallsQueue.warmup``)."""
-        self._queue.warmup(state_dict)
+        self._queue.warmup(self._staged_form(state_dict))
+
+    def _staged_form(self, state_dict: Any) -> Any:
+        """What the persistent queue stages: dicts of tensors as one batch each (see
+        ``TensorDict``); the worker unpickles the same state. A forked child pickles
+        nothing, so the fork caller gets ``state_dict`` as is."""
+        return batch_tensor_dicts(state_dict) if self.persistent_queue else state_dict
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
         """After ``async_save(..., overlap_staging=True)``: wait until the tensors are
@@ -156,6 +163,7 @@ class TorchAsyncCheckpoint:
             # A forked child cannot read device memory: host copies first, as NVRx does. (Not
             # a preload_fn: its result replaces the request's second argument, the path.)
             state_dict = preload_tensors(state_dict, non_blocking=True)  # synchronizes
+        state_dict = self._staged_form(state_dict)
         request = AsyncRequest(save_fn, (state_dict, path, *rest), [], kwargs)
         return self._queue.schedule_async_request(request, overlap_staging=overlap_staging)
 
