@@ -85,8 +85,16 @@ def test_torch_flow_writes_torch_saves_bytes_and_reuses_the_batched_layout(tmp_p
             (tmp_path / "ours").mkdir(exist_ok=True)
             torch.save(state, tmp_path / "ref" / f"{step}.pt")
             hits = cache.hits
-            ckpt.async_save(state, str(tmp_path / "ours" / f"{step}.pt"))
+            overlap = step == 2  # the batch's checks then run on the staging thread
+            ckpt.async_save(state, str(tmp_path / "ours" / f"{step}.pt"), overlap_staging=overlap)
+            ckpt.wait_for_snapshot()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(100.0)  # after the snapshot: not in the checkpoint
             ckpt.finalize_async_save(blocking=True)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(100.0)
             assert cache.hits == hits + 1  # steady: the warm-up's layout, batch included
             ours = _records(tmp_path / "ours" / f"{step}.pt")
             assert ours == _records(tmp_path / "ref" / f"{step}.pt")

@@ -137,3 +137,22 @@ def batch_tensor_dicts(state: Any) -> Any:
     if type(state) is OrderedDict and vars(state):
         outer.__dict__.update(vars(state))
     return outer
+
+
+class BatchedWhenPickled:
+    """``state`` staged as :func:`batch_tensor_dicts` makes it, the checks made when staging
+    pickles it rather than when the save is called: with overlapped staging the pickling
+    runs on the background thread, and so do the checks' passes over every tensor. Unpickled,
+    it is ``state`` (the same dicts again)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        return _identity, (batch_tensor_dicts(self.state),)
+
+
+def _identity(obj: Any) -> Any:
+    return obj

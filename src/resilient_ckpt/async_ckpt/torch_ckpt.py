@@ -25,7 +25,7 @@ from ..storage.base import is_msc_url
 from ..storage.commit import write_atomically
 from ..storage.factory import get_backend
 from ..utils import iter_tensors, preload_tensors
-from ._batch import batch_tensor_dicts
+from ._batch import BatchedWhenPickled
 from .core import AsyncCallsQueue, AsyncRequest
 
 
@@ -127,9 +127,9 @@ class TorchAsyncCheckpoint:
 
     def _staged_form(self, state_dict: Any) -> Any:
         """What the persistent queue stages: dicts of tensors as one batch each (see
-        ``TensorDict``); the worker unpickles the same state. A forked child pickles
-        nothing, so the fork caller gets ``state_dict`` as is."""
-        return batch_tensor_dicts(state_dict) if self.persistent_queue else state_dict
+        ``TensorDict``), decided when staging pickles it; the worker unpickles the same
+        state. A forked child pickles nothing, so the fork caller gets ``state_dict``."""
+        return BatchedWhenPickled(state_dict) if self.persistent_queue else state_dict
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
         """After ``async_save(..., overlap_staging=True)``: wait until the tensors are
