@@ -2,7 +2,8 @@
 
 One place for the names that moved or appeared after 2.4, so the rest of the package
 imports them from here and reads the same on every release. (Torch 2.3's DCP lacks what the
-async writer and reader build on: see the README, "Supported torch releases".)
+async writer and readers build on, ``StorageMeta`` first: see the README, "Supported torch
+releases".)
 """
 
 from __future__ import annotations
@@ -13,12 +14,9 @@ __all__ = [
     "DTensor",
     "Replicate",
     "Shard",
-    "StorageMeta",
     "distribute_tensor",
     "has_stream_transforms",
     "no_dist_kwargs",
-    "storage_meta_of",
-    "with_load_id",
 ]
 
 try:
@@ -30,30 +28,6 @@ except ImportError:  # torch < 2.5: the same classes under their private module
         Shard,
         distribute_tensor,
     )
-
-try:
-    from torch.distributed.checkpoint.metadata import StorageMeta
-except ImportError:  # torch < 2.4: a checkpoint's metadata has no storage identity
-    StorageMeta = None  # type: ignore[assignment,misc]
-
-
-def storage_meta_of(writer: Any) -> Any:
-    """``writer.storage_meta()`` (the checkpoint id DCP records in the metadata) where torch
-    has it (2.4 and later); None on earlier releases, whose metadata has no such field."""
-    method = getattr(writer, "storage_meta", None)
-    return None if method is None else method()
-
-
-def with_load_id(storage_meta: Any, load_id: str) -> Any:
-    """A copy of ``storage_meta`` (or a new one) carrying ``load_id``; None where torch has
-    no ``StorageMeta``."""
-    if StorageMeta is None:
-        return None
-    import copy
-
-    mine = copy.copy(storage_meta) if storage_meta else StorageMeta()
-    mine.load_id = load_id
-    return mine
 
 
 def has_stream_transforms(storage_data: Any, items: Any) -> bool:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from resilient_ckpt import TorchAsyncCheckpoint
-from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
+from resilient_ckpt.async_ckpt._staging import ArenaPool, stage
+from resilient_ckpt.async_ckpt._unstaging import unstage
 
 pytestmark = pytest.mark.gpu
 

@@ -21,6 +21,11 @@ from typing import Any
 
 import torch
 
+# The exact types of the tensors staging can describe without any check beyond its layout
+# (no subclass with state of its own): what a batch may hold, and what the steady-state
+# walks of the DCP and local flows treat as plain tensors.
+PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
 
 class TensorBatch(list):
     """Tensors that staging describes in one reducer call: one pickled blob of descriptors
@@ -65,7 +70,6 @@ class SourcedBatch:
 # A dict with fewer tensors gains less from one batch than its checks cost.
 MIN_BATCHED = 8
 _DICTS = (dict, OrderedDict)
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 class TensorDict:
@@ -107,10 +111,14 @@ def _as_batch(obj: Any) -> TensorDict | None:
     if type(obj) not in _DICTS or len(obj) < MIN_BATCHED:
         return None
     values = list(obj.values())
-    if not set(map(type, values)) <= _TENSOR_TYPES or len(set(map(id, values))) != len(values):
+    if not set(map(type, values)) <= PLAIN_TENSOR_TYPES or len(set(map(id, values))) != len(values):
         return None
-    attrs = dict(vars(obj)) if type(obj) is OrderedDict and vars(obj) else None
-    return TensorDict(type(obj), list(obj), TensorBatch(values), attrs)
+    return TensorDict(type(obj), list(obj), TensorBatch(values), _attributes(obj))
+
+
+def _attributes(obj: dict) -> dict | None:
+    """An ``OrderedDict``'s own attributes (a module ``state_dict()``'s ``_metadata``)."""
+    return dict(vars(obj)) if type(obj) is OrderedDict and vars(obj) else None
 
 
 def batch_tensor_dicts(state: Any) -> Any:
@@ -134,8 +142,9 @@ def batch_tensor_dicts(state: Any) -> Any:
         (key, replaced.get(id(value)) or value) if type(value) in _DICTS else (key, value)
         for key, value in state.items()
     )
-    if type(state) is OrderedDict and vars(state):
-        outer.__dict__.update(vars(state))
+    attrs = _attributes(state)
+    if attrs:
+        outer.__dict__.update(attrs)
     return outer
 
 

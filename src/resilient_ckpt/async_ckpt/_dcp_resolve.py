@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from .._torch_compat import DTensor, Replicate, Shard
 from ..errors import ConfigurationError
+from ._batch import PLAIN_TENSOR_TYPES
 
 if TYPE_CHECKING:
     from ._dcp_buckets import ItemsBlob
 
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 _DTENSOR_ONLY = frozenset({DTensor})
 _NOT_PARTIAL = frozenset({Shard, Replicate})
 _LOCAL_TENSOR = operator.attrgetter("_local_tensor")
@@ -85,7 +85,7 @@ def resolve_sources(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] 
         obj: Any = flat.get(fqn)
         kind = type(obj)
         tensor: Any = None
-        if kind in _PLAIN:
+        if kind in PLAIN_TENSOR_TYPES:
             tensor = obj
         elif kind is DTensor and type(local := obj._local_tensor) is torch.Tensor:
             if not any(p.is_partial() for p in obj._spec.placements):
@@ -117,7 +117,7 @@ def _uniform_tensors(blob: ItemsBlob, flat: dict[str, Any]) -> tuple | None:
     except KeyError:
         return None
     kinds = set(map(type, objs))
-    if kinds <= _PLAIN:
+    if kinds <= PLAIN_TENSOR_TYPES:
         return objs
     if kinds != _DTENSOR_ONLY:
         return None

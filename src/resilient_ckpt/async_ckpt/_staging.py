@@ -16,7 +16,8 @@ exactly as ``torch.save`` would see them. The slots are laid out in the arena an
 by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for CUDA), synchronously
 or, in overlapped mode, in the background until ``wait_for_snapshot`` (where, in a CPU-only
 process, the whole of :func:`stage` runs on a background thread: :mod:`._snapshot`). In the worker,
-unpickling rebuilds each descriptor as a tensor whose storage is exactly its slot.
+unpickling rebuilds each descriptor as a tensor whose storage is exactly its slot
+(:mod:`._unstaging`).
 
 Alternatives rejected:
 
@@ -40,7 +41,6 @@ import copyreg
 import importlib
 import io
 import pickle
-import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,12 +49,13 @@ from typing import Any
 import torch
 
 from .._logging import get_logger
-from ..errors import CheckpointingException, InvalidRequestError, StagingError
+from ..errors import CheckpointingException, InvalidRequestError
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch, TensorBatch
 from ._copy import CopyJob, start_copy
 from ._messages import Slot
 from ._stage_cache import StageCache
+from ._unstaging import rebuild_batch, rebuild_staged
 
 logger = get_logger(__name__)
 
@@ -100,7 +101,7 @@ class _Collector:
         self.reusable = True
 
     def _describe(self, obj: torch.Tensor, detached: bool = False) -> tuple:
-        """The arguments of ``_rebuild_staged`` for ``obj`` (for ``obj.detach()`` if
+        """The arguments of ``rebuild_staged`` for ``obj`` (for ``obj.detach()`` if
         ``detached``), its storage given a slot."""
         storage = obj.untyped_storage()
         nbytes = storage.nbytes()
@@ -129,7 +130,7 @@ class _Collector:
             self.reusable = False
             reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         else:
-            reduced = (_rebuild_staged, self._describe(obj))
+            reduced = (rebuild_staged, self._describe(obj))
         self.reduced.append(reduced)
         return reduced
 
@@ -150,7 +151,7 @@ class _Collector:
         self.tensors.extend(tensors)
         self.counts.append(len(tensors))
         reduced = (
-            _rebuild_batch,
+            rebuild_batch,
             (pickle.dumps(descriptors, protocol=pickle.HIGHEST_PROTOCOL),),
         )
         self.reduced.append(reduced)
@@ -172,49 +173,6 @@ def _dispatch_table(collector: Any) -> dict[type, Any]:
     table[SourcedBatch] = collector.reduce_sourced
     table[types.ModuleType] = _reduce_module
     return table
-
-
-class _UnstageContext(threading.local):
-    arena: Arena | None = None
-    slots: tuple[Slot, ...] = ()
-    storages: dict[int, torch.UntypedStorage] | None = None
-
-
-_unstaging = _UnstageContext()
-
-
-def _rebuild_staged(
-    slot: int,
-    dtype: torch.dtype,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-    offset: int,
-    requires_grad: bool,
-    is_param: bool,
-) -> torch.Tensor:
-    """Worker side: a tensor whose storage is its slot of the arena being unstaged."""
-    storages = _unstaging.storages
-    if storages is None:
-        raise StagingError("a staged tensor was unpickled outside of unstage()")
-    storage = storages.get(slot)
-    if storage is None:
-        arena = _unstaging.arena
-        if arena is None:
-            raise StagingError("request references staged tensors but no arena")
-        offset_in_arena, nbytes = _unstaging.slots[slot]
-        storage = arena.view(offset_in_arena, nbytes).untyped_storage()
-        storages[slot] = storage
-    tensor = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
-    if is_param:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    if requires_grad:
-        tensor.requires_grad_(True)
-    return tensor
-
-
-def _rebuild_batch(descriptors: bytes) -> list[torch.Tensor]:
-    """Worker side: a :class:`TensorBatch`'s tensors, each over its slot."""
-    return [_rebuild_staged(*args) for args in pickle.loads(descriptors)]
 
 
 @dataclass
@@ -297,35 +255,6 @@ def copy_into(
         device_copies=device,
         non_blocking=arena.pinned,
     )
-
-
-def unstage(payload: bytes, arena: Arena | None, slots: tuple[Slot, ...]) -> Any:
-    """Worker side: unpickle a staged request; its tensors view ``arena``."""
-    _unstaging.arena, _unstaging.slots, _unstaging.storages = arena, slots, {}
-    try:
-        obj = pickle.loads(payload)
-    except BaseException:
-        _pending_sparse().clear()
-        raise
-    finally:
-        _unstaging.arena, _unstaging.slots, _unstaging.storages = None, (), None
-    _validate_sparse()
-    return obj
-
-
-def _pending_sparse() -> list:
-    return getattr(torch._utils, "_sparse_tensors_to_validate", [])
-
-
-def _validate_sparse() -> None:
-    """What ``torch.load`` does after unpickling: torch's sparse-tensor rebuild puts every
-    sparse tensor on a process-wide list to validate once its storages are loaded. Not
-    emptied here, the list would keep them (and the arena memory they view) alive until some
-    later ``torch.load`` in this process validates them, by then over reused memory (torch
-    2.5 then fails that unrelated load: "size is inconsistent with indices")."""
-    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
-    if validate is not None:
-        validate()
 
 
 def stage(

@@ -29,11 +29,11 @@ from collections import OrderedDict
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from .._torch_compat import has_stream_transforms, with_load_id
+from .._torch_compat import has_stream_transforms
 from ..storage.base import is_msc_url
 from ..storage.commit import COMMIT_RECORD
 from ..storage.factory import get_backend
@@ -148,11 +148,9 @@ class CachedMetadataFileSystemReader(FileSystemReader):
 
     def _for_this_reader(self, metadata: Metadata) -> Metadata:
         mine = copy.copy(metadata)
-        storage_meta = with_load_id(
-            getattr(metadata, "storage_meta", None), getattr(self, "load_id", "")
-        )
-        if storage_meta is not None:
-            mine.storage_meta = storage_meta
+        storage_meta = copy.copy(metadata.storage_meta) if metadata.storage_meta else StorageMeta()
+        storage_meta.load_id = self.load_id
+        mine.storage_meta = storage_meta
         return mine
 
     @classmethod

@@ -55,7 +55,6 @@ from torch.futures import Future
 from .. import _dist
 from .._logging import get_logger
 from .._rank_errors import wrap_for_gather as _wrap_exception_for_gather  # noqa: F401 (NVRx name)
-from .._torch_compat import storage_meta_of
 from ..config import RetryPolicy
 from ..errors import (
     CheckpointExistsError,
@@ -347,7 +346,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         file_checksums: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         """Write the commit record (coordinator only, after every rank's write succeeded)."""
-        complete_metadata(metadata, results, storage_meta_of(self))
+        complete_metadata(metadata, results, self.storage_meta())
         if file_checksums is None and len(results) == 1:
             file_checksums = self.written_files or None
         self.publish_metadata(metadata, file_checksums)

@@ -35,7 +35,7 @@ from typing import IO, Any
 import torch
 
 from .._checksum import CrcPipe, crc32
-from ..async_ckpt._staging import TensorBatch
+from ..async_ckpt._batch import TensorBatch
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._reader import check_against_manifest as check_against_manifest  # (re-exported:

@@ -38,14 +38,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
-from ..async_ckpt._staging import TensorBatch
+from ..async_ckpt._batch import PLAIN_TENSOR_TYPES, TensorBatch
 from ._format import PickledOnce, ShardLayout, align, header_of
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 
 _EXACT = (int, str, bytes, bool, type(None))
-_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 class _Unsupported(Exception):
@@ -63,7 +60,7 @@ def _one_tensor_type(items: list) -> bool:
     """Whether ``items`` (a dict's values) are all tensors of one type (a model's
     parameters): then walked, and hollowed, by C-level passes."""
     kinds = set(map(type, items))
-    return len(kinds) == 1 and kinds <= _TENSORS
+    return len(kinds) == 1 and kinds <= PLAIN_TENSOR_TYPES
 
 
 def _walk(obj: Any, tokens: list, values: list, tensors: list) -> None:
@@ -84,7 +81,7 @@ def _walk(obj: Any, tokens: list, values: list, tensors: list) -> None:
         tokens.append((kind, len(obj)))
         for item in obj:
             _walk(item, tokens, values, tensors)
-    elif kind in _TENSORS:
+    elif kind in PLAIN_TENSOR_TYPES:
         tensors.append(obj)
         tokens.append(_TENSOR_TOKEN(obj))
     elif kind is float:
@@ -146,7 +143,7 @@ def _hollow(obj: Any, fill: Iterator[TensorPlaceholder], memo: dict[int, Any]) -
         return out
     if kind is tuple:
         return tuple(_hollow(value, fill, memo) for value in obj)
-    if kind in _TENSORS:
+    if kind in PLAIN_TENSOR_TYPES:
         return next(fill)
     return obj
 

@@ -60,7 +60,6 @@ import torch.distributed as dist
 
 from .. import _dist
 from .._logging import get_logger
-from .._torch_compat import storage_meta_of
 from ..async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from ..async_ckpt.state_dict_saver import (
     CheckpointMetadataCache,
@@ -277,7 +276,7 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
         )
         call_idx = self._queue.schedule_async_request(request)
         staged = time.perf_counter()
-        memory = MemorySave(step, step_dir, memory_job, metadata, storage_meta_of(writer))
+        memory = MemorySave(step, step_dir, memory_job, metadata, writer.storage_meta())
         self._replicator.submit(memory)
         self._pending.append(PendingSave(step, call_idx, memory, goes_durable))
         self._last_step = step
