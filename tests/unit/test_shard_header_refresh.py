@@ -4,11 +4,15 @@ byte the one a full planning writes (resilient_ckpt.local._shard_cache)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from unittest import mock
+
 import torch
 
-from resilient_ckpt.local import BasicTensorAwareStateDict
-from resilient_ckpt.local._format import plan_shard
+from resilient_ckpt.local import BasicTensorAwareStateDict, _pickled, _shard_cache
+from resilient_ckpt.local._format import deserialize, plan_shard, serialize
 from resilient_ckpt.local._shard_cache import ShardPlanCache
+from resilient_ckpt.utils import diff
 
 
 def _state() -> dict:
@@ -92,3 +96,43 @@ def test_a_model_and_optimizer_state_dict_is_refreshed_too() -> None:
     state["model"]._metadata[""]["version"] = 2  # type: ignore[attr-defined]
     _check(cache, state)
     assert cache.misses == 2  # the module attributes are part of the structure
+
+
+class _Holder:
+    """A custom object in the state: it refers to a dict of tensors the state holds too."""
+
+    def __init__(self, ref: dict) -> None:
+        self.ref = ref
+
+
+def test_dicts_of_tensors_travel_pickled_once_and_load_as_they_were() -> None:
+    """A module's state_dict (an OrderedDict with attributes) and a plain dict of tensors are
+    spliced into the header (resilient_ckpt.local._pickled); they load as the same types,
+    attributes and values, and a refresh reuses their pickles instead of making them."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    state = {"model": model.state_dict(), "exp_avg": {0: torch.rand(2), 1: torch.rand(3)}}
+    state["step"] = 1
+    with mock.patch.object(_pickled, "PickledDict", wraps=_pickled.PickledDict) as made:
+        layout = plan_shard(BasicTensorAwareStateDict(state))
+    assert made.call_count == 2  # the two dicts of tensors
+    loaded = deserialize(serialize(layout)).state_dict  # type: ignore[attr-defined]
+    assert type(loaded["model"]) is OrderedDict and type(loaded["exp_avg"]) is dict
+    assert loaded["model"]._metadata == state["model"]._metadata  # type: ignore[attr-defined]
+    assert diff(state, loaded) == ([], [], [])
+    cache = ShardPlanCache()
+    _check(cache, state)
+    state["step"] = 2
+    with mock.patch.object(_shard_cache, "PickledDict", side_effect=AssertionError("re-made")):
+        _check(cache, state)
+    assert (cache.hits, cache.refreshes) == (1, 1)
+
+
+def test_a_state_with_other_objects_keeps_its_sharing() -> None:
+    """An object the splice does not look into may share a dict of tensors with the state:
+    the state is then pickled as it is, and after loading both still see the one dict."""
+    weights = {"w": torch.rand(3), "b": torch.rand(2)}
+    state = {"model": weights, "holder": _Holder(weights), "step": 1}
+    layout = plan_shard(BasicTensorAwareStateDict(state))
+    loaded = deserialize(serialize(layout)).state_dict  # type: ignore[attr-defined]
+    assert loaded["holder"].ref is loaded["model"]
+    assert torch.equal(loaded["holder"].ref["w"], weights["w"])

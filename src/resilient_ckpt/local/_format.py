@@ -38,6 +38,7 @@ from .._checksum import CrcPipe, crc32
 from ..async_ckpt._batch import TensorBatch
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
+from ._pickled import PickledOnce, spliced
 from ._reader import check_against_manifest as check_against_manifest  # (re-exported:
 from ._reader import read_verified as read_verified  # verified reading lives in ._reader)
 from ._whole import WholeObject, snapshot_whole
@@ -64,21 +65,6 @@ class TensorRecord:
     nbytes: int
     requires_grad: bool = False
     is_param: bool = False
-
-
-class PickledOnce(list):
-    """A list that is never changed, pickled once, at creation: it travels pickled as
-    ``pickle.loads(payload)`` and unpickles as a plain ``list``. The tensor records of a
-    shard: in its header (which a save whose structure is unchanged but whose plain values
-    differ re-pickles without them costing ~1.5 us each again, see :mod:`._shard_cache`) and
-    in every save's request."""
-
-    def __init__(self, items: Any) -> None:
-        super().__init__(items)
-        self._payload = pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return pickle.loads, (self._payload,)
 
 
 def header_of(body: bytes) -> bytes:
@@ -139,7 +125,7 @@ def plan_shard(state: TensorAwareStateDict) -> ShardLayout:
             offset = align(offset + nbytes)
         try:
             records = PickledOnce(records)
-            body = pickle.dumps((state, records), protocol=pickle.HIGHEST_PROTOCOL)
+            body = pickle.dumps((spliced(state), records), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             raise ConfigurationError(
                 f"the non-tensor part of the state cannot be pickled: {type(exc).__name__}: "
