@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
@@ -91,35 +92,52 @@ class _Opaque(Exception):
     """The state holds an object the splice does not look into."""
 
 
-def splice_placeholder_dicts(obj: Any) -> Any:
-    """``obj`` (a hollow state's contents) rebuilt beside it with every placeholder dict as
-    a :class:`PickledDict` (dicts and lists shared by identity stay shared, tuples are
-    rebuilt per visit, as ``pop_tensors`` leaves them); None if it holds any other object."""
-    try:
-        return _splice(obj, {})
-    except _Opaque:
-        return None
-
-
-def _splice(obj: Any, memo: dict[int, Any]) -> Any:
+def rebuild(
+    obj: Any,
+    leaf: Callable[[Any], Any],
+    whole: Callable[[dict], Any],
+    memo: dict[int, Any],
+) -> Any:
+    """``obj``'s nested dicts, lists and tuples rebuilt beside it, as ``pop_tensors``
+    leaves them and a header pickles them: a dict for which ``whole`` returns something
+    other than None is replaced by that, every other leaf by ``leaf(value)``. Dicts and
+    lists shared by identity stay shared (``memo``: ``pop_tensors`` rewrites them in
+    place), tuples are rebuilt at each visit (as there)."""
     kind = type(obj)
     if kind is dict or kind is OrderedDict or kind is list:
         known = memo.get(id(obj))
         if known is not None:
             return known
-        out: Any
+        out: Any = None
         if kind is list:
-            out = [_splice(value, memo) for value in obj]
-        elif is_placeholder_dict(obj):
-            out = PickledDict(obj)
+            out = [rebuild(value, leaf, whole, memo) for value in obj]
         else:
-            out = kind((key, _splice(value, memo)) for key, value in obj.items())
+            out = whole(obj)
+        if out is None:
+            out = kind((key, rebuild(value, leaf, whole, memo)) for key, value in obj.items())
             if kind is OrderedDict:
                 out.__dict__.update(vars(obj))
         memo[id(obj)] = out
         return out
     if kind is tuple:
-        return tuple(_splice(value, memo) for value in obj)
-    if kind in _PLAIN:
-        return obj
-    raise _Opaque(kind.__name__)
+        return tuple(rebuild(value, leaf, whole, memo) for value in obj)
+    return leaf(obj)
+
+
+def _plain(value: Any) -> Any:
+    if type(value) not in _PLAIN:
+        raise _Opaque(type(value).__name__)
+    return value
+
+
+def _pickled_once(mapping: dict) -> PickledDict | None:
+    return PickledDict(mapping) if is_placeholder_dict(mapping) else None
+
+
+def splice_placeholder_dicts(obj: Any) -> Any:
+    """``obj`` (a hollow state's contents) rebuilt beside it with every placeholder dict as
+    a :class:`PickledDict`; None if it holds any object but those of ``_PLAIN``."""
+    try:
+        return rebuild(obj, _plain, _pickled_once, {})
+    except _Opaque:
+        return None

@@ -42,7 +42,7 @@ from typing import Any
 
 from ..async_ckpt._batch import PLAIN_TENSOR_TYPES, TensorBatch
 from ._format import ShardLayout, align, header_of
-from ._pickled import PickledDict, PickledOnce, shell_of
+from ._pickled import PickledDict, PickledOnce, rebuild, shell_of
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 
 _EXACT = (int, str, bytes, bool, type(None))
@@ -162,33 +162,20 @@ class _Fill:
         return next(self._placeholders, None) is None and next(self._splices, None) is None
 
 
-def _hollow(obj: Any, fill: _Fill, memo: dict[int, Any]) -> Any:
+def _hollow(obj: Any, fill: _Fill) -> Any:
     """``obj`` as ``pop_tensors`` leaves it and ``plan_shard`` pickles it (see
     :mod:`._pickled`), built beside it: tensors replaced by the next placeholders, dicts
-    of tensors by their pickled hollow; dicts and lists, rewritten in place there, kept
-    shared by identity here (``memo``); tuples, rebuilt at each visit there, rebuilt here
-    too."""
-    kind = type(obj)
-    if kind is dict or kind is list or kind is OrderedDict:
-        known = memo.get(id(obj))
-        if known is not None:
-            return known
-        out: Any
-        if kind is list:
-            out = [_hollow(value, fill, memo) for value in obj]
-        elif obj and set(map(type, obj.values())) <= PLAIN_TENSOR_TYPES:
-            out = fill.tensor_dict(obj)
-        else:
-            out = kind((key, _hollow(value, fill, memo)) for key, value in obj.items())
-            if kind is OrderedDict:
-                out.__dict__.update(vars(obj))  # attributes as they are: pop leaves them
-        memo[id(obj)] = out
-        return out
-    if kind is tuple:
-        return tuple(_hollow(value, fill, memo) for value in obj)
-    if kind in PLAIN_TENSOR_TYPES:
-        return fill.placeholder()
-    return obj
+    of tensors by their pickled hollow."""
+
+    def leaf(value: Any) -> Any:
+        return fill.placeholder() if type(value) in PLAIN_TENSOR_TYPES else value
+
+    def whole(mapping: dict) -> PickledDict | None:
+        if mapping and set(map(type, mapping.values())) <= PLAIN_TENSOR_TYPES:
+            return fill.tensor_dict(mapping)
+        return None
+
+    return rebuild(obj, leaf, whole, {})
 
 
 def hollow_body(
@@ -203,7 +190,7 @@ def hollow_body(
     so."""
     fill = _Fill(placeholders, splices)
     try:
-        hollow = _hollow(state.state_dict, fill, {})
+        hollow = _hollow(state.state_dict, fill)
     except _Mismatch:
         return None
     if not fill.exhausted():
@@ -220,7 +207,7 @@ def _splices_of(state: BasicTensorAwareStateDict, placeholders: list) -> list | 
     the state does not line up with ``placeholders``."""
     fill = _Fill(placeholders, None)
     try:
-        _hollow(state.state_dict, fill, {})
+        _hollow(state.state_dict, fill)
     except (_Mismatch, ValueError):
         return None
     return fill.made if fill.exhausted() else None
