@@ -105,26 +105,68 @@ class _Holder:
         self.ref = ref
 
 
-def test_dicts_of_tensors_travel_pickled_once_and_load_as_they_were() -> None:
-    """A module's state_dict (an OrderedDict with attributes) and a plain dict of tensors are
-    spliced into the header (resilient_ckpt.local._pickled); they load as the same types,
-    attributes and values, and a refresh reuses their pickles instead of making them."""
+def _training_state() -> dict:
+    """A model's state_dict (an OrderedDict with attributes) and an Adam state after a step
+    (a dict of tensors per parameter, tuples and plain values in its param groups)."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    state = {"model": model.state_dict(), "exp_avg": {0: torch.rand(2), 1: torch.rand(3)}}
-    state["step"] = 1
-    with mock.patch.object(_pickled, "PickledDict", wraps=_pickled.PickledDict) as made:
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.rand(2, 3)).sum().backward()
+    optim.step()
+    return {"model": model.state_dict(), "optim": optim.state_dict(), "step": 1}
+
+
+def test_parts_holding_only_tensors_travel_pickled_once_and_load_as_they_were() -> None:
+    """The model's state_dict and the optimizer's per-parameter state are spliced into the
+    header whole (resilient_ckpt.local._pickled); they load as the same types, attributes
+    and values, and a refresh reuses their pickles instead of making them."""
+    state = _training_state()
+    with mock.patch.object(_pickled, "PickledValue", wraps=_pickled.PickledValue) as made:
         layout = plan_shard(BasicTensorAwareStateDict(state))
-    assert made.call_count == 2  # the two dicts of tensors
+    assert made.call_count == 2  # the two outermost parts holding only tensors
     loaded = deserialize(serialize(layout)).state_dict  # type: ignore[attr-defined]
-    assert type(loaded["model"]) is OrderedDict and type(loaded["exp_avg"]) is dict
+    assert type(loaded["model"]) is OrderedDict
     assert loaded["model"]._metadata == state["model"]._metadata  # type: ignore[attr-defined]
+    assert loaded["optim"]["param_groups"] == state["optim"]["param_groups"]
     assert diff(state, loaded) == ([], [], [])
     cache = ShardPlanCache()
     _check(cache, state)
     state["step"] = 2
-    with mock.patch.object(_shard_cache, "PickledDict", side_effect=AssertionError("re-made")):
+    state["optim"]["param_groups"][0]["lr"] = 5e-4
+    with mock.patch.object(_shard_cache, "PickledValue", side_effect=AssertionError("re-made")):
         _check(cache, state)
     assert (cache.hits, cache.refreshes) == (1, 1)
+
+
+def test_sharing_and_spliced_parts_follow_the_state_of_each_save() -> None:
+    """Dicts shared by identity at one save and not at the next, or a part holding only
+    tensors that gains a plain value, are a new structure (planned in full); the saves after
+    each refresh the header, always the full planning's bytes."""
+    state = _training_state()
+    config = {"name": "run", "sizes": (1, 2)}
+    state.update(config=config, config_again=dict(config))
+    cache = ShardPlanCache()
+    changes = [
+        lambda: state.update(config_again=config),  # now the same object twice
+        lambda: state.update(config_again=dict(config)),  # and two again
+        lambda: state["optim"]["state"][0].update(note="warm"),  # not only tensors now
+    ]
+    _check(cache, state)
+    for step, change in enumerate(changes, start=2):
+        state["step"] = step
+        _check(cache, state)  # refreshed
+        change()
+        _check(cache, state)  # planned in full
+    assert (cache.hits, cache.refreshes, cache.misses) == (3, 3, 4)
+
+
+def test_a_part_holding_a_container_met_elsewhere_is_not_spliced() -> None:
+    """A dict inside a part holding only tensors, also held elsewhere in the state: after
+    loading, both places still hold the one dict."""
+    inner = {"w": torch.rand(2)}
+    state = {"model": {"block": inner, "b": torch.rand(1)}, "alias": inner, "step": 1}
+    loaded = deserialize(serialize(plan_shard(BasicTensorAwareStateDict(state)))).state_dict  # type: ignore[attr-defined]
+    assert loaded["alias"] is loaded["model"]["block"]
+    assert torch.equal(loaded["alias"]["w"], inner["w"])
 
 
 def test_a_state_with_other_objects_keeps_its_sharing() -> None:

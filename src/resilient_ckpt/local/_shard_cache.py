@@ -23,10 +23,10 @@ when the plain leaves' values are equal too (floats compared bit for bit: ``0.0`
 iteration, the learning rate), so then only the header is made again, without popping: the
 hollow state is built beside the live one (new containers holding the placeholders the
 tensors would have left, made once when the layout was cached) and pickled with the records.
-The records, and every dict of tensors (as the dict of placeholders it leaves), travel as
-their cached pickle (:mod:`._pickled`), as they do in a full planning: the bytes are exactly
-those of a full planning, at ~0.1 us per tensor of such a dict (~1 us elsewhere) instead of
-~15. The layout is cached only
+The records, and every part of the state that holds only tensors (a model's state_dict, an
+optimizer's per-parameter state), travel as their cached pickle (:mod:`._pickled`), as they
+do in a full planning: the bytes are exactly those of a full planning, at ~0.1 us per
+tensor of such a part (~1 us elsewhere) instead of ~15. The layout is cached only
 if the walk met exactly the tensors ``pop_tensors`` popped, in order (checked object by
 object), and only for states whose tensors are on their home devices.
 """
@@ -42,10 +42,11 @@ from typing import Any
 
 from ..async_ckpt._batch import PLAIN_TENSOR_TYPES, TensorBatch
 from ._format import ShardLayout, align, header_of
-from ._pickled import PickledDict, PickledOnce, rebuild, shell_of
+from ._pickled import PickledOnce, PickledValue, constant_size, rebuild, shell_of
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 
 _EXACT = (int, str, bytes, bool, type(None))
+_AGAIN = "again"  # the token of a container met before in the same walk
 
 
 class _Unsupported(Exception):
@@ -66,8 +67,14 @@ def _one_tensor_type(items: list) -> bool:
     return len(kinds) == 1 and kinds <= PLAIN_TENSOR_TYPES
 
 
-def _walk(obj: Any, tokens: list, values: list, tensors: list) -> None:
+def _walk(obj: Any, tokens: list, values: list, tensors: list, seen: dict[int, int]) -> None:
     kind = type(obj)
+    if kind is dict or kind is OrderedDict or kind is list:
+        # Met before (by identity): the header pickles it once, so sharing is structure.
+        count = len(seen)
+        first = seen.setdefault(id(obj), count)
+        if first != count:
+            tokens.append((_AGAIN, first))
     if kind is dict or kind is OrderedDict:
         if kind is dict:
             tokens.append((kind, tuple(obj)))
@@ -79,11 +86,11 @@ def _walk(obj: Any, tokens: list, values: list, tensors: list) -> None:
             tokens.extend(map(_TENSOR_TOKEN, items))
             return
         for item in items:
-            _walk(item, tokens, values, tensors)
+            _walk(item, tokens, values, tensors, seen)
     elif kind is list or kind is tuple:
         tokens.append((kind, len(obj)))
         for item in obj:
-            _walk(item, tokens, values, tensors)
+            _walk(item, tokens, values, tensors, seen)
     elif kind in PLAIN_TENSOR_TYPES:
         tensors.append(obj)
         tokens.append(_TENSOR_TOKEN(obj))
@@ -117,7 +124,7 @@ def walk(state: Any) -> tuple[list, list, TensorBatch] | None:
     values: list = []
     tensors = TensorBatch()
     try:
-        _walk(state, tokens, values, tensors)
+        _walk(state, tokens, values, tensors, {})
     except _Unsupported:
         return None
     return tokens, values, tensors
@@ -129,13 +136,14 @@ class _Mismatch(Exception):
 
 class _Fill:
     """What :func:`_hollow` hands out, in visiting order: the cached placeholders and, for
-    each dict of tensors, its hollow as a :class:`._pickled.PickledDict`. Made on the pass
-    after a full planning (``splices`` None: ``made`` collects them), reused after."""
+    each outermost constant container (see :func:`._pickled.constant_size`), its hollow as
+    a :class:`._pickled.PickledValue`. Made on the pass after a full planning (``splices``
+    None: ``made`` collects them), reused after."""
 
-    def __init__(self, placeholders: list, splices: list[PickledDict] | None) -> None:
+    def __init__(self, placeholders: list, splices: list[PickledValue] | None) -> None:
         self._placeholders = iter(placeholders)
         self._splices = iter(splices or ())
-        self.made: list[PickledDict] | None = [] if splices is None else None
+        self.made: list[PickledValue] | None = [] if splices is None else None
 
     def placeholder(self) -> TensorPlaceholder:
         holder = next(self._placeholders, None)
@@ -143,37 +151,44 @@ class _Fill:
             raise _Mismatch
         return holder
 
-    def tensor_dict(self, obj: dict) -> PickledDict:
-        holders = list(itertools.islice(self._placeholders, len(obj)))
-        if len(holders) != len(obj):
+    def constant(self, container: Any, size: int) -> PickledValue:
+        """The splice of ``container``, which holds ``size`` tensors."""
+        holders = list(itertools.islice(self._placeholders, size))
+        if len(holders) != size:
             raise _Mismatch
         if self.made is None:
             splice = next(self._splices, None)
             if splice is None:
                 raise _Mismatch
             return splice
-        hollow = type(obj)(zip(obj, holders, strict=True))
-        if type(obj) is OrderedDict:
-            hollow.__dict__.update(vars(obj))  # its attributes, as pop leaves them
-        self.made.append(PickledDict(hollow))
+        fill = iter(holders)
+
+        def leaf(value: Any) -> Any:
+            return next(fill) if type(value) in PLAIN_TENSOR_TYPES else value
+
+        self.made.append(PickledValue(rebuild(container, leaf, _never, {})))
         return self.made[-1]
 
     def exhausted(self) -> bool:
         return next(self._placeholders, None) is None and next(self._splices, None) is None
 
 
+def _never(container: Any) -> None:
+    return None
+
+
 def _hollow(obj: Any, fill: _Fill) -> Any:
     """``obj`` as ``pop_tensors`` leaves it and ``plan_shard`` pickles it (see
-    :mod:`._pickled`), built beside it: tensors replaced by the next placeholders, dicts
-    of tensors by their pickled hollow."""
+    :mod:`._pickled`), built beside it: tensors replaced by the next placeholders, constant
+    containers by their pickled hollow."""
+    sizes: dict[int, int | None] = {}
 
     def leaf(value: Any) -> Any:
         return fill.placeholder() if type(value) in PLAIN_TENSOR_TYPES else value
 
-    def whole(mapping: dict) -> PickledDict | None:
-        if mapping and set(map(type, mapping.values())) <= PLAIN_TENSOR_TYPES:
-            return fill.tensor_dict(mapping)
-        return None
+    def whole(container: Any) -> PickledValue | None:
+        size = constant_size(container, PLAIN_TENSOR_TYPES, sizes)
+        return None if size is None else fill.constant(container, size)
 
     return rebuild(obj, leaf, whole, {})
 
@@ -181,11 +196,11 @@ def _hollow(obj: Any, fill: _Fill) -> Any:
 def hollow_body(
     state: BasicTensorAwareStateDict,
     placeholders: list,
-    splices: list[PickledDict],
+    splices: list[PickledValue],
     records: list,
 ) -> bytes | None:
     """The header body ``plan_shard`` would pickle for ``state``, whose tensors would leave
-    ``placeholders`` and its dicts of tensors ``splices``, with ``records`` (the cached
+    ``placeholders`` and its constant containers ``splices``, with ``records`` (the cached
     layout's, a ``PickledOnce``; see the module docstring); None where it cannot be made
     so."""
     fill = _Fill(placeholders, splices)
@@ -203,7 +218,7 @@ def hollow_body(
 
 
 def _splices_of(state: BasicTensorAwareStateDict, placeholders: list) -> list | None:
-    """The pickled hollow of each dict of tensors in ``state``, in visiting order; None if
+    """The pickled hollow of each constant container in ``state``, in visiting order; None if
     the state does not line up with ``placeholders``."""
     fill = _Fill(placeholders, None)
     try:
@@ -225,7 +240,7 @@ class ShardPlanCache:
         self._values: list = []
         self._layout: ShardLayout | None = None
         self._placeholders: list[TensorPlaceholder] = []
-        self._splices: list[PickledDict] = []
+        self._splices: list[PickledValue] = []
         self.hits = 0
         self.refreshes = 0
         self.misses = 0
