@@ -4,7 +4,9 @@ byte the one a full planning writes (resilient_ckpt.local._shard_cache)."""
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
+from typing import Any
 from unittest import mock
 
 import torch
@@ -178,3 +180,50 @@ def test_a_state_with_other_objects_keeps_its_sharing() -> None:
     loaded = deserialize(serialize(layout)).state_dict  # type: ignore[attr-defined]
     assert loaded["holder"].ref is loaded["model"]
     assert torch.equal(loaded["holder"].ref["w"], weights["w"])
+
+
+def _random_state(rng: random.Random, depth: int = 0) -> Any:
+    """A random nest of dicts, OrderedDicts, lists and tuples over tensors and plain values
+    (some parts only tensors, some mixed, some empty)."""
+    kind = rng.choice(["dict", "odict", "list", "tuple", "tensors"] if depth < 3 else ["leaf"])
+    if kind == "leaf":
+        return rng.choice([torch.rand(rng.randint(0, 3)), 1, 2.5, "s", None, b"b", True])
+    if kind == "tensors":
+        return {f"t{i}": torch.rand(2) for i in range(rng.randint(1, 4))}
+    items = [_random_state(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "list":
+        return items
+    if kind == "tuple":
+        return tuple(items)
+    out: dict = dict if kind == "dict" else OrderedDict  # type: ignore[assignment]
+    return out((f"k{i}", item) for i, item in enumerate(items))
+
+
+def _plain_leaves(obj: Any, path: tuple = ()) -> list[tuple]:
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _plain_leaves(v, (*path, k))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in _plain_leaves(v, (*path, i))]
+    return [] if isinstance(obj, torch.Tensor) else [(obj, path)]
+
+
+def test_random_states_refresh_to_the_full_planning_header() -> None:
+    """Random structures, saved again with changed plain values or a shared config dict
+    swapped in and out: every header the cache gives is the full planning's, and loads back
+    to the saved state."""
+    rng = random.Random(13)
+    for _ in range(40):
+        config = {"lr": 0.1, "tags": ["a"]}
+        state = {"body": _random_state(rng), "config": config, "again": dict(config), "it": 0}
+        cache = ShardPlanCache()
+        for it in range(1, 5):
+            state["it"] = it
+            if it == 3:
+                state["again"] = config  # shared from now on
+            _check(cache, state)
+        layout = cache.plan(BasicTensorAwareStateDict(state), plan_shard)
+        loaded = deserialize(serialize(layout)).state_dict  # type: ignore[attr-defined]
+        assert diff(state, loaded) == ([], [], [])
+        assert _plain_leaves(loaded) == _plain_leaves(state)
+        assert loaded["again"] is loaded["config"]
+        assert cache.refreshes >= 2
