@@ -26,6 +26,8 @@ Decisions:
 from __future__ import annotations
 
 import io
+import itertools
+import operator
 import pickle
 import struct
 from collections.abc import Iterator
@@ -97,34 +99,79 @@ def _check_tensor(tensor: torch.Tensor, index: int) -> None:
         )
 
 
-def plan_shard(state: TensorAwareStateDict) -> ShardLayout:
+# What a tensor's record, and the checks that precede it, depend on (see RecordMemo).
+_RECORD_KEY = operator.attrgetter(
+    "__class__", "dtype", "shape", "requires_grad", "layout", "device"
+)
+
+
+class RecordMemo:
+    """The records of a manager's last planned shard, and the tensors' record keys they were
+    made from.
+
+    Decision: a state that is planned in full at every save (any ``TensorAwareStateDict``
+    other than a steady ``BasicTensorAwareStateDict``, e.g. Megatron's) mostly pops the same
+    tensors each time. Their records (dtype, shape, offset, size, ``requires_grad``,
+    parameter or not) and the checks before them are functions of each tensor's class,
+    dtype, shape, ``requires_grad``, layout, device and ``_is_param`` flag alone, read by
+    C-level passes (~0.5 us a tensor against ~2.5 to check, record and pickle it). Equal
+    keys, tensor by tensor, reuse the records and their pickle.
+    """
+
+    __slots__ = ("keys", "records", "size")
+
+    def __init__(self) -> None:
+        self.keys: tuple[list, list] | None = None
+        self.records: PickledOnce = PickledOnce(())
+        self.size = 0
+
+
+def _record_keys(tensors: list[torch.Tensor]) -> tuple[list, list]:
+    flags = map(getattr, tensors, itertools.repeat("_is_param"), itertools.repeat(False))
+    return list(map(_RECORD_KEY, tensors)), list(flags)
+
+
+def _records(tensors: list[torch.Tensor]) -> tuple[PickledOnce, int]:
+    """Each tensor's record (checked first), and the bytes of the data section."""
+    records: list[TensorRecord] = []
+    offset = 0
+    for index, tensor in enumerate(tensors):
+        _check_tensor(tensor, index)
+        nbytes = tensor.numel() * tensor.element_size()
+        records.append(
+            TensorRecord(
+                tensor.dtype,
+                tuple(tensor.shape),
+                offset,
+                nbytes,
+                tensor.requires_grad,
+                isinstance(tensor, torch.nn.Parameter),
+            )
+        )
+        offset = align(offset + nbytes)
+    return PickledOnce(records), offset
+
+
+def plan_shard(state: TensorAwareStateDict, memo: RecordMemo | None = None) -> ShardLayout:
     """Lay ``state`` out as a shard; ``state`` is left as it was (tensors put back).
 
     A state whose ``pop_tensors`` is not implemented is saved whole (see :mod:`._whole`).
+    With ``memo``, records are reused from the last planning with that memo when the
+    tensors' record keys are the same (see :class:`RecordMemo`).
     """
     try:
         tensors = state.pop_tensors()
     except NotImplementedError:
-        return plan_shard(snapshot_whole(state))
+        return plan_shard(snapshot_whole(state), memo)
     try:
-        records: list[TensorRecord] = []
-        offset = 0
-        for index, tensor in enumerate(tensors):
-            _check_tensor(tensor, index)
-            nbytes = tensor.numel() * tensor.element_size()
-            records.append(
-                TensorRecord(
-                    tensor.dtype,
-                    tuple(tensor.shape),
-                    offset,
-                    nbytes,
-                    tensor.requires_grad,
-                    isinstance(tensor, torch.nn.Parameter),
-                )
-            )
-            offset = align(offset + nbytes)
+        keys = _record_keys(tensors) if memo is not None else None
+        if memo is not None and keys == memo.keys:
+            records, size = memo.records, memo.size
+        else:
+            records, size = _records(tensors)
+            if memo is not None:
+                memo.keys, memo.records, memo.size = keys, records, size
         try:
-            records = PickledOnce(records)
             body = pickle.dumps((spliced(state), records), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             raise ConfigurationError(
@@ -136,7 +183,7 @@ def plan_shard(state: TensorAwareStateDict) -> ShardLayout:
         state.insert_tensors(tensors)
     header = header_of(body)
     data_start = align(len(header))
-    return ShardLayout(header, TensorBatch(tensors), records, data_start, data_start + offset)
+    return ShardLayout(header, TensorBatch(tensors), records, data_start, data_start + size)
 
 
 def _pieces(layout: ShardLayout) -> Iterator[tuple[int, torch.Tensor | bytes]]:

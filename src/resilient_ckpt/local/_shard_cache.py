@@ -41,12 +41,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ..async_ckpt._batch import PLAIN_TENSOR_TYPES, TensorBatch
-from ._format import ShardLayout, align, header_of
+from ._format import RecordMemo, ShardLayout, align, header_of
 from ._pickled import PickledOnce, PickledValue, constant_size, rebuild, shell_of
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 
 _EXACT = (int, str, bytes, bool, type(None))
 _AGAIN = "again"  # the token of a container met before in the same walk
+
+
+# plan_shard: a full planning, reusing the records of the last one where it can.
+PlanFull = Callable[[Any, RecordMemo], ShardLayout]
 
 
 class _Unsupported(Exception):
@@ -241,11 +245,12 @@ class ShardPlanCache:
         self._layout: ShardLayout | None = None
         self._placeholders: list[TensorPlaceholder] = []
         self._splices: list[PickledValue] = []
+        self._records = RecordMemo()  # for states planned in full
         self.hits = 0
         self.refreshes = 0
         self.misses = 0
 
-    def plan(self, state: Any, plan_full: Callable[[Any], ShardLayout]) -> ShardLayout:
+    def plan(self, state: Any, plan_full: PlanFull) -> ShardLayout:
         """``plan_full(state)`` or, for a state laid out as last time, the cached layout
         with the current tensors (and, if its plain values changed, a new header)."""
         walked = None
@@ -268,10 +273,8 @@ class ShardPlanCache:
         self.hits += 1
         return ShardLayout(cached.header, tensors, cached.records, cached.data_start, cached.size)
 
-    def _plan_full(
-        self, state: Any, plan_full: Callable[[Any], ShardLayout], walked: Any
-    ) -> ShardLayout:
-        layout = plan_full(state)
+    def _plan_full(self, state: Any, plan_full: PlanFull, walked: Any) -> ShardLayout:
+        layout = plan_full(state, self._records)
         self.misses += 1
         self._tokens, self._layout, self._placeholders, self._splices = None, None, [], []
         if walked is None or not isinstance(layout.records, PickledOnce):
