@@ -10,6 +10,8 @@ planned from:
 
 * every container's type and keys (dicts, and ``OrderedDict`` such as a module's
   ``state_dict()``, with its attributes) or length (lists, tuples), in order;
+* which dicts and lists are met a second time, by identity (a header pickles them once:
+  loading gives one object where the state had one);
 * for every tensor, what its placeholder and record hold: type, shape, dtype, device,
   layout, ``requires_grad``;
 * every other leaf's type, when it is one whose equality is exact and whose pickle depends
