@@ -40,7 +40,7 @@ from .._checksum import CrcPipe, crc32
 from ..async_ckpt._batch import TensorBatch
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
-from ._pickled import PickledOnce, spliced
+from ._pickled import PickledOnce, PickledValue, spliced
 from ._reader import check_against_manifest as check_against_manifest  # (re-exported:
 from ._reader import read_verified as read_verified  # verified reading lives in ._reader)
 from ._whole import WholeObject, snapshot_whole
@@ -116,14 +116,18 @@ class RecordMemo:
     dtype, shape, ``requires_grad``, layout, device and ``_is_param`` flag alone, read by
     C-level passes (~0.5 us a tensor against ~2.5 to check, record and pickle it). Equal
     keys, tensor by tensor, reuse the records and their pickle.
+
+    ``splices``: the last planning's pickled constant parts (see :mod:`._pickled`), which a
+    header refresh of a steady ``BasicTensorAwareStateDict`` reuses (:mod:`._shard_cache`).
     """
 
-    __slots__ = ("keys", "records", "size")
+    __slots__ = ("keys", "records", "size", "splices")
 
     def __init__(self) -> None:
         self.keys: tuple[list, list] | None = None
         self.records: PickledOnce = PickledOnce(())
         self.size = 0
+        self.splices: list[PickledValue] = []
 
 
 def _record_keys(tensors: list[torch.Tensor]) -> tuple[list, list]:
@@ -172,7 +176,10 @@ def plan_shard(state: TensorAwareStateDict, memo: RecordMemo | None = None) -> S
             if memo is not None:
                 memo.keys, memo.records, memo.size = keys, records, size
         try:
-            body = pickle.dumps((spliced(state), records), protocol=pickle.HIGHEST_PROTOCOL)
+            target, splices = spliced(state)
+            body = pickle.dumps((target, records), protocol=pickle.HIGHEST_PROTOCOL)
+            if memo is not None:
+                memo.splices = splices
         except Exception as exc:
             raise ConfigurationError(
                 f"the non-tensor part of the state cannot be pickled: {type(exc).__name__}: "

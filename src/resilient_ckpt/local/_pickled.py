@@ -53,13 +53,14 @@ class PickledOnce(list):
 
 
 class PickledValue:
-    """A container of placeholders, pickled at creation; unpickles as that container (its
-    type and, for an ``OrderedDict``, its attributes included)."""
+    """A container of ``size`` placeholders, pickled at creation; unpickles as that
+    container (its type and, for an ``OrderedDict``, its attributes included)."""
 
-    __slots__ = ("payload",)
+    __slots__ = ("payload", "size")
 
-    def __init__(self, container: Any) -> None:
+    def __init__(self, container: Any, size: int) -> None:
         self.payload = pickle.dumps(container, protocol=pickle.HIGHEST_PROTOCOL)
+        self.size = size
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return pickle.loads, (self.payload,)
@@ -74,14 +75,18 @@ def shell_of(state: BasicTensorAwareStateDict, **attributes: Any) -> BasicTensor
     return shell
 
 
-def spliced(state: Any) -> Any:
-    """What ``plan_shard`` pickles for a popped ``state``: for a
-    ``BasicTensorAwareStateDict`` a shell whose constant parts are :class:`PickledValue`,
-    else (or if its contents are not all spliceable) ``state`` itself."""
+def spliced(state: Any) -> tuple[Any, list[PickledValue]]:
+    """What ``plan_shard`` pickles for a popped ``state``, and its splices in visiting
+    order: for a ``BasicTensorAwareStateDict`` a shell whose constant parts are
+    :class:`PickledValue`, else (or if its contents are not all spliceable) ``state``
+    itself and none. A header refresh reuses the splices (:mod:`._shard_cache`)."""
     if type(state) is not BasicTensorAwareStateDict:
-        return state
-    tree = splice_constants(state.state_dict)
-    return state if tree is None else shell_of(state, state_dict=tree)
+        return state, []
+    made = splice_constants(state.state_dict)
+    if made is None:
+        return state, []
+    tree, splices = made
+    return shell_of(state, state_dict=tree), splices
 
 
 def constant_size(obj: Any, tensor_kinds: frozenset, sizes: dict[int, int | None]) -> int | None:
@@ -99,7 +104,7 @@ def constant_size(obj: Any, tensor_kinds: frozenset, sizes: dict[int, int | None
     kinds = set(map(type, values))
     size: int | None = None
     if not values or not kinds <= tensor_kinds | _CONTAINERS:
-        size = None
+        pass
     elif kinds <= tensor_kinds:
         size = len(values)
     else:
@@ -177,24 +182,26 @@ def _holds_any(obj: Any, ids: set[int]) -> bool:
     return any(type(v) in _CONTAINERS and (id(v) in ids or _holds_any(v, ids)) for v in values)
 
 
-def splice_constants(obj: Any) -> Any:
+def splice_constants(obj: Any) -> tuple[Any, list[PickledValue]] | None:
     """``obj`` (a hollow state's contents) rebuilt beside it with every outermost constant
     container (see :func:`constant_size`) as a :class:`PickledValue`, unless a container
-    inside it is also met elsewhere (one pickle would then make two objects of it); None if
-    ``obj`` holds any object but those of ``_PLAIN``."""
+    inside it is also met elsewhere (one pickle would then make two objects of it), and
+    those splices in visiting order; None if ``obj`` holds any object but those of
+    ``_PLAIN``."""
     seen: set[int] = set()
     shared: set[int] = set()
     _shared(obj, seen, shared)
     sizes: dict[int, int | None] = {}
+    splices: list[PickledValue] = []
 
     def whole(container: Any) -> PickledValue | None:
-        if constant_size(container, _PLACEHOLDER, sizes) is None:
+        size = constant_size(container, _PLACEHOLDER, sizes)
+        if size is None or (shared and _holds_any(container, shared)):
             return None
-        if shared and _holds_any(container, shared):
-            return None
-        return PickledValue(container)
+        splices.append(PickledValue(container, size))
+        return splices[-1]
 
     try:
-        return rebuild(obj, _plain, whole, {})
+        return rebuild(obj, _plain, whole, {}), splices
     except _Opaque:
         return None

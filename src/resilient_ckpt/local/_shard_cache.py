@@ -142,14 +142,12 @@ class _Mismatch(Exception):
 
 class _Fill:
     """What :func:`_hollow` hands out, in visiting order: the cached placeholders and, for
-    each outermost constant container (see :func:`._pickled.constant_size`), its hollow as
-    a :class:`._pickled.PickledValue`. Made on the pass after a full planning (``splices``
-    None: ``made`` collects them), reused after."""
+    each outermost constant container (see :func:`._pickled.constant_size`), the pickle the
+    full planning made of it (``plan_shard``'s splices, in the same order)."""
 
-    def __init__(self, placeholders: list, splices: list[PickledValue] | None) -> None:
+    def __init__(self, placeholders: list, splices: list[PickledValue]) -> None:
         self._placeholders = iter(placeholders)
-        self._splices = iter(splices or ())
-        self.made: list[PickledValue] | None = [] if splices is None else None
+        self._splices = iter(splices)
 
     def placeholder(self) -> TensorPlaceholder:
         holder = next(self._placeholders, None)
@@ -157,30 +155,17 @@ class _Fill:
             raise _Mismatch
         return holder
 
-    def constant(self, container: Any, size: int) -> PickledValue:
-        """The splice of ``container``, which holds ``size`` tensors."""
-        holders = list(itertools.islice(self._placeholders, size))
-        if len(holders) != size:
+    def constant(self, size: int) -> PickledValue:
+        """The splice of the next constant container, which holds ``size`` tensors."""
+        if len(list(itertools.islice(self._placeholders, size))) != size:
             raise _Mismatch
-        if self.made is None:
-            splice = next(self._splices, None)
-            if splice is None:
-                raise _Mismatch
-            return splice
-        fill = iter(holders)
-
-        def leaf(value: Any) -> Any:
-            return next(fill) if type(value) in PLAIN_TENSOR_TYPES else value
-
-        self.made.append(PickledValue(rebuild(container, leaf, _never, {})))
-        return self.made[-1]
+        splice = next(self._splices, None)
+        if splice is None or splice.size != size:
+            raise _Mismatch
+        return splice
 
     def exhausted(self) -> bool:
         return next(self._placeholders, None) is None and next(self._splices, None) is None
-
-
-def _never(container: Any) -> None:
-    return None
 
 
 def _hollow(obj: Any, fill: _Fill) -> Any:
@@ -194,7 +179,7 @@ def _hollow(obj: Any, fill: _Fill) -> Any:
 
     def whole(container: Any) -> PickledValue | None:
         size = constant_size(container, PLAIN_TENSOR_TYPES, sizes)
-        return None if size is None else fill.constant(container, size)
+        return None if size is None else fill.constant(size)
 
     return rebuild(obj, leaf, whole, {})
 
@@ -221,17 +206,6 @@ def hollow_body(
         return pickle.dumps((shell, records), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # not picklable: the full planning reports it
         return None
-
-
-def _splices_of(state: BasicTensorAwareStateDict, placeholders: list) -> list | None:
-    """The pickled hollow of each constant container in ``state``, in visiting order; None if
-    the state does not line up with ``placeholders``."""
-    fill = _Fill(placeholders, None)
-    try:
-        _hollow(state.state_dict, fill)
-    except (_Mismatch, ValueError):
-        return None
-    return fill.made if fill.exhausted() else None
 
 
 class ShardPlanCache:
@@ -286,12 +260,10 @@ class ShardPlanCache:
             a is not b for a, b in zip(tensors, layout.tensors, strict=True)
         ):
             return layout
-        placeholders = list(map(TensorPlaceholder.of, tensors))
-        splices = _splices_of(state, placeholders)
-        if splices is not None:
-            self._tokens, self._values = tokens, values
-            self._layout = ShardLayout(
-                layout.header, [], layout.records, layout.data_start, layout.size
-            )
-            self._placeholders, self._splices = placeholders, splices
+        self._tokens, self._values = tokens, values
+        self._layout = ShardLayout(
+            layout.header, [], layout.records, layout.data_start, layout.size
+        )
+        self._placeholders = list(map(TensorPlaceholder.of, tensors))
+        self._splices = self._records.splices
         return layout
