@@ -1,8 +1,13 @@
 """The stall benchmark's tables (resilient_ckpt.cli.bench.stall_report): the reference named
-for the state's device, a failed reference flow of torch's left out and said so, not a crash."""
+for the state's device, a failed reference flow of torch's left out and said so, not a crash;
+and its CPU reference copy (``stall_flows._Memcpy``), by one thread or several."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from resilient_ckpt.cli.bench.stall_flows import _Memcpy
 from resilient_ckpt.cli.bench.stall_report import record, report
 
 _FLOWS = ("memcpy", "ours DCP", "ours torch", "ours local", "dcp.async_save")
@@ -65,3 +70,36 @@ def test_a_reference_that_went_on_with_fresh_stagers_is_said_so(capsys) -> None:
     assert "dcp.async_save: its stager failed when reused (64M/2000: KeyError" in out
     assert "left out" not in out
     assert any(line.startswith("64M/2000   dcp.async_save") for line in out.splitlines())
+
+
+def test_the_parallel_copy_is_a_reference_row_only_where_it_used_several_threads(capsys) -> None:
+    fig = _figures()
+    fig["memcpy threads|stall"], fig["memcpy threads|threads"] = 0.0013, 2.0
+    report({"256M/8": fig}, 1)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "memcpy, 2 threads" in line)
+    assert "1.30" in row and "0.65" in row and "<=" not in row  # 1.3 ms against 2 ms
+    assert {f["label"] for f in record({"256M/8": fig}, 1).items} == {
+        "ours DCP",
+        "ours torch",
+        "ours local",
+        "dcp.async_save",
+    }
+    fig["memcpy threads|threads"] = 1.0  # one core per rank: nothing to show
+    report({"256M/8": fig}, 2)
+    assert not any("memcpy, " in line for line in capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_the_memcpy_reference_copies_every_byte_whatever_its_threads(threads: int) -> None:
+    tensors = [torch.arange(n, dtype=torch.float32) + n for n in (5, 1, 0, 1000, 37)]
+    copy = _Memcpy(tensors, threads=threads)
+    try:
+        assert [sum(n for _, _, n in share) for share in copy.shares][:1] == [
+            -(-4 * 1043 // threads)
+        ]
+        copy()
+        expected = torch.cat([t.view(torch.uint8) for t in tensors])
+        assert torch.equal(copy.base[: expected.numel()], expected)
+    finally:
+        copy.close()

@@ -6,6 +6,9 @@ For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) 
 
 * ``memcpy``: a single-thread copy (``memmove`` per tensor) of the same bytes into
   pre-faulted shared memory: the reference every stall is divided by;
+* ``memcpy threads`` (CPU): the same copy split over as many threads as our copy pool uses
+  (``min(4, cores / local ranks)``, ``RESILIENT_CKPT_COPY_THREADS``): what copying in
+  parallel gains on this machine, printed when that is more than one thread;
 * ``ours DCP``: ``save_state_dict_async_plan`` (plan cache on) + ``schedule_async_request``
   on a persistent ``AsyncCallsQueue``: plan + snapshot, the trainer's blocking time;
 * ``ours torch``: ``TorchAsyncCheckpoint.async_save``; ``ours local``:
@@ -59,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from .bench.stall_flows import CUDA_FLOWS, FLOWS, SHAPES, Config, Flows
+from .bench.stall_flows import CPU_FLOWS, CUDA_FLOWS, FLOWS, SHAPES, Config, Flows
 from .bench.stall_report import record, report
 
 # Flows of torch's, not ours: one that fails (a torch release's own bug) is retried with a
@@ -85,7 +88,7 @@ def _rank_main(
     out: dict[str, Any] = {}
     failed: dict[str, str] = {}
     notes: dict[str, str] = {}
-    chosen = {**FLOWS, **(CUDA_FLOWS if cfg.device == "cuda" else {})}
+    chosen = {**FLOWS, **(CUDA_FLOWS if cfg.device == "cuda" else CPU_FLOWS)}
     for shape in cfg.shapes:
         flows = Flows(rank, world, cfg, shape)
         samples: dict[str, list[float]] = {}

@@ -12,6 +12,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,9 +64,15 @@ def _state(
 
 
 class _Memcpy:
-    """Single-thread memmove of the same tensors into pre-faulted shared memory."""
+    """``memmove`` of the same tensors into pre-faulted shared memory, by ``threads`` threads.
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    One thread (the reference every CPU stall is divided by) copies tensor by tensor. More
+    split the bytes into equal shares, one copied by the calling thread and the others by
+    threads started once (``ctypes.memmove`` releases the GIL): what copying in parallel
+    gains on this machine, the same number of threads as our copy pool uses.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], threads: int = 1) -> None:
         self.tensors = tensors
         total = sum(t.numel() * t.element_size() for t in tensors)
         fd = os.memfd_create("bench_memcpy")
@@ -73,19 +80,54 @@ class _Memcpy:
         self.mm = mmap.mmap(fd, max(total, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         os.close(fd)
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+        self.shares = _shares(self.base.data_ptr(), tensors, total, threads)
 
     def __call__(self) -> float:
-        dst = self.base.data_ptr()
         started = time.perf_counter()
-        for t in self.tensors:
-            n = t.numel() * t.element_size()
-            ctypes.memmove(dst, t.data_ptr(), n)
-            dst += n
+        if self.pool is None:
+            _copy_share(self.shares[0])
+        else:
+            others = [self.pool.submit(_copy_share, share) for share in self.shares[1:]]
+            _copy_share(self.shares[0])
+            for future in others:
+                future.result()
         return time.perf_counter() - started
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
         del self.base
         self.mm.close()
+
+
+# (destination address, source address, bytes)
+_Segment = tuple[int, int, int]
+
+
+def _shares(
+    dst: int, tensors: list[torch.Tensor], total: int, threads: int
+) -> list[list[_Segment]]:
+    """The tensors' bytes, laid out one after the other from ``dst``, cut into ``threads``
+    shares of (nearly) equal size; a tensor may be split between two shares."""
+    per_share = -(-total // threads) if total else 0
+    shares: list[list[_Segment]] = [[] for _ in range(threads)]
+    index, room = 0, per_share
+    for t in tensors:
+        src, left = t.data_ptr(), t.numel() * t.element_size()
+        while left:
+            if room == 0:
+                index, room = index + 1, per_share
+            n = min(left, room)
+            shares[index].append((dst, src, n))
+            dst, src, left, room = dst + n, src + n, left - n, room - n
+    return shares
+
+
+def _copy_share(share: list[_Segment]) -> None:
+    for dst, src, n in share:
+        ctypes.memmove(dst, src, n)
 
 
 class _PinnedCopy:
@@ -129,6 +171,13 @@ class Flows:
         self.sharded, self.local = _state(rank, world, nbytes, tensors, device)
         reference = _PinnedCopy if device.type == "cuda" else _Memcpy
         self.memcpy: _Memcpy | _PinnedCopy = reference(list(self.local["model"].values()))
+        # CPU: the same copy by as many threads as our copy pool has (see ``copy_threads``).
+        self.parallel: _Memcpy | None = None
+        if device.type == "cpu":
+            from ...async_ckpt._copy import default_copy_threads
+
+            model = list(self.local["model"].values())
+            self.parallel = _Memcpy(model, threads=default_copy_threads())
         self.n = 0
         # First saves after the documented warm-up, each on fresh objects; the last trial's
         # objects serve the steady-state saves.
@@ -198,6 +247,14 @@ class Flows:
     def copy(self) -> dict[str, float]:
         dist.barrier()
         return {"stall": self.memcpy()}
+
+    def copy_threads(self) -> dict[str, float]:
+        """The CPU reference copied by our copy pool's number of threads (``threads``:
+        1 where each rank has one core, e.g. 2 ranks on 2 cores)."""
+        if self.parallel is None:
+            raise CheckpointingException("the multi-thread memcpy is a CPU reference")
+        dist.barrier()
+        return {"stall": self.parallel(), "threads": float(self.parallel.threads)}
 
     def ours_dcp(self, overlap: bool = False) -> dict[str, float]:
         from ...async_ckpt.core import AsyncRequest
@@ -314,6 +371,8 @@ class Flows:
         if self.overlap_stager is not None:
             self.overlap_stager.close()
         self.memcpy.close()
+        if self.parallel is not None:
+            self.parallel.close()
 
 
 FLOWS: dict[str, Callable[[Flows], dict[str, float]]] = {
@@ -325,5 +384,7 @@ FLOWS: dict[str, Callable[[Flows], dict[str, float]]] = {
     "ours DCP overlapped": Flows.ours_dcp_overlap,
     "ours torch overlapped": Flows.torch_async_overlap,
 }
+# CPU only: the reference copy made by several threads, as ours copies.
+CPU_FLOWS = {"memcpy threads": Flows.copy_threads}
 # CUDA only: torch's "zero-overhead" staging (pinned memory copied on a background thread).
 CUDA_FLOWS = {"dcp.async_save overlapped": Flows.dcp_async_save_overlap}
