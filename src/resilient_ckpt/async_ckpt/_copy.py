@@ -88,10 +88,14 @@ def coalesce(segments: Sequence[Segment]) -> list[Segment]:
     return merged
 
 
-def split_shares(segments: Sequence[Segment], shares: int) -> list[list[Segment]]:
-    """Cut ``segments`` into at most ``shares`` lists of (nearly) equal bytes, in order."""
+def split_shares(
+    segments: Sequence[Segment], shares: int, min_bytes: int | None = None
+) -> list[list[Segment]]:
+    """Cut ``segments`` into at most ``shares`` lists of (nearly) equal bytes, in order;
+    one list if they total less than ``min_bytes`` (default ``PARALLEL_MIN_BYTES``)."""
     total = sum(n for _, _, n in segments)
-    if shares <= 1 or total < PARALLEL_MIN_BYTES:
+    least = PARALLEL_MIN_BYTES if min_bytes is None else min_bytes
+    if shares <= 1 or total < max(least, 1):
         return [list(segments)]
     target = -(-total // shares)
     out: list[list[Segment]] = [[]]
@@ -112,7 +116,8 @@ def plan_shares(host: Sequence[Segment], threads: int) -> list[list[Segment]]:
     return split_shares(coalesce(host), threads)
 
 
-def _run(segments: Sequence[Segment], base: int = 0) -> None:
+def copy_segments(segments: Sequence[Segment], base: int = 0) -> None:
+    """``memmove`` each range (destinations relative to ``base``); releases the GIL."""
     move = ctypes.memmove
     for dst, src, n in segments:
         move(base + dst, src, n)
@@ -220,13 +225,13 @@ def start_copy(
     if overlap:
         if shares and shares[0]:
             pool = _POOL.get(max(1, len(shares)))
-            job.futures = [pool.submit(_run, share, base) for share in shares]
+            job.futures = [pool.submit(copy_segments, share, base) for share in shares]
         return job
     if len(shares) > 1:
         pool = _POOL.get(len(shares) - 1)
-        job.futures = [pool.submit(_run, share, base) for share in shares[1:]]
+        job.futures = [pool.submit(copy_segments, share, base) for share in shares[1:]]
     try:
-        _run(shares[0] if shares else [], base)
+        copy_segments(shares[0] if shares else [], base)
     finally:
         job.wait()
     return job

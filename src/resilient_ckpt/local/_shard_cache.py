@@ -220,8 +220,9 @@ class ShardPlanCache:
         self._values: list = []
         self._layout: ShardLayout | None = None
         self._placeholders: list[TensorPlaceholder] = []
-        self._splices: list[PickledValue] = []
-        self._records = RecordMemo()  # for states planned in full
+        # The last full planning's records and splices (reused by states planned in full,
+        # and by the header refresh of the cached layout, which that planning made).
+        self._records = RecordMemo()
         self.hits = 0
         self.refreshes = 0
         self.misses = 0
@@ -237,7 +238,7 @@ class ShardPlanCache:
             return self._plan_full(state, plan_full, walked)
         _, values, tensors = walked
         if values != self._values:
-            body = hollow_body(state, self._placeholders, self._splices, cached.records)
+            body = hollow_body(state, self._placeholders, self._records.splices, cached.records)
             if body is None:
                 return self._plan_full(state, plan_full, walked)
             header = header_of(body)
@@ -252,7 +253,7 @@ class ShardPlanCache:
     def _plan_full(self, state: Any, plan_full: PlanFull, walked: Any) -> ShardLayout:
         layout = plan_full(state, self._records)
         self.misses += 1
-        self._tokens, self._layout, self._placeholders, self._splices = None, None, [], []
+        self._tokens, self._layout, self._placeholders = None, None, []
         if walked is None or not isinstance(layout.records, PickledOnce):
             return layout
         tokens, values, tensors = walked
@@ -265,5 +266,4 @@ class ShardPlanCache:
             layout.header, [], layout.records, layout.data_start, layout.size
         )
         self._placeholders = list(map(TensorPlaceholder.of, tensors))
-        self._splices = self._records.splices
         return layout

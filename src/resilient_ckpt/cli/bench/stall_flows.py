@@ -4,7 +4,6 @@ one save of every flow, ours and torch's, as :class:`Flows` methods."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import mmap
 import os
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...async_ckpt._copy import copy_segments, split_shares
 from ...errors import CheckpointingException
 
 SHAPES = {"2M/64": (2 << 20, 64), "64M/2000": (64 << 20, 2000), "256M/8": (256 << 20, 8)}
@@ -68,7 +68,7 @@ class _Memcpy:
 
     One thread (the reference every CPU stall is divided by) copies tensor by tensor. More
     split the bytes into equal shares, one copied by the calling thread and the others by
-    threads started once (``ctypes.memmove`` releases the GIL): what copying in parallel
+    threads started once (``memmove`` releases the GIL): what copying in parallel
     gains on this machine, the same number of threads as our copy pool uses.
     """
 
@@ -82,15 +82,21 @@ class _Memcpy:
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
-        self.shares = _shares(self.base.data_ptr(), tensors, total, threads)
+        ranges, dst = [], self.base.data_ptr()
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            ranges.append((dst, t.data_ptr(), nbytes))
+            dst += nbytes
+        # Split whatever the size (our copy keeps states under 8 MB on one thread).
+        self.shares = split_shares(ranges, threads, min_bytes=0)
 
     def __call__(self) -> float:
         started = time.perf_counter()
         if self.pool is None:
-            _copy_share(self.shares[0])
+            copy_segments(self.shares[0])
         else:
-            others = [self.pool.submit(_copy_share, share) for share in self.shares[1:]]
-            _copy_share(self.shares[0])
+            others = [self.pool.submit(copy_segments, share) for share in self.shares[1:]]
+            copy_segments(self.shares[0])
             for future in others:
                 future.result()
         return time.perf_counter() - started
@@ -100,34 +106,6 @@ class _Memcpy:
             self.pool.shutdown()
         del self.base
         self.mm.close()
-
-
-# (destination address, source address, bytes)
-_Segment = tuple[int, int, int]
-
-
-def _shares(
-    dst: int, tensors: list[torch.Tensor], total: int, threads: int
-) -> list[list[_Segment]]:
-    """The tensors' bytes, laid out one after the other from ``dst``, cut into ``threads``
-    shares of (nearly) equal size; a tensor may be split between two shares."""
-    per_share = -(-total // threads) if total else 0
-    shares: list[list[_Segment]] = [[] for _ in range(threads)]
-    index, room = 0, per_share
-    for t in tensors:
-        src, left = t.data_ptr(), t.numel() * t.element_size()
-        while left:
-            if room == 0:
-                index, room = index + 1, per_share
-            n = min(left, room)
-            shares[index].append((dst, src, n))
-            dst, src, left, room = dst + n, src + n, left - n, room - n
-    return shares
-
-
-def _copy_share(share: list[_Segment]) -> None:
-    for dst, src, n in share:
-        ctypes.memmove(dst, src, n)
 
 
 class _PinnedCopy:
