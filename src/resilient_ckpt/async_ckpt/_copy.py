@@ -6,9 +6,10 @@ Decisions:
   copy is a ``memmove`` into its slot. ``ctypes.memmove`` costs about a microsecond per
   call (``Tensor.copy_`` several), and, being a foreign call, releases the GIL: copy threads
   run truly in parallel, and in overlapped mode in parallel with the training step.
-* **Small storages coalesced.** Storages that lie back to back in host memory (flat
-  parameter buffers, consecutive allocations) and whose slots are back to back in the arena
-  become one ``memmove``.
+* **Neighbours copied as one range.** The arena mirrors host storages that lie close in
+  memory (:mod:`._placement`), so a run of consecutive allocations is one ``memmove``, the
+  allocator's headers between them included; ranges still back to back both in memory and
+  in the arena are merged here.
 * **Large states split over threads.** Above ``PARALLEL_MIN_BYTES`` the byte ranges are cut
   into ``threads`` shares of equal bytes (a large storage is split inside), one per thread of
   a persistent pool; the calling thread copies one share itself (none in overlapped mode).

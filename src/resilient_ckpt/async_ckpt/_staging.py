@@ -12,11 +12,13 @@ tensor by a small descriptor (slot, dtype, size, stride, offset). The table is l
 the C pickler only for objects of those types, so the cost is one Python call per tensor,
 not one per pickled object (a ``persistent_id`` method is called for every object: ~75 per
 DCP write item). Tensors are grouped by *storage*, so views and tied weights stay shared
-exactly as ``torch.save`` would see them. The slots are laid out in the arena and filled
-by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for CUDA), synchronously
-or, in overlapped mode, in the background until ``wait_for_snapshot`` (where, in a CPU-only
-process, the whole of :func:`stage` runs on a background thread: :mod:`._snapshot`). In the worker,
-unpickling rebuilds each descriptor as a tensor whose storage is exactly its slot
+exactly as ``torch.save`` would see them. The slots are laid out in the arena
+(:mod:`._placement`: host storages near each other in memory keep their relative places)
+and filled by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for CUDA),
+synchronously or, in overlapped mode, in the background until ``wait_for_snapshot``
+(where, in a CPU-only process, the whole of :func:`stage` runs on a background thread:
+:mod:`._snapshot`). In the worker, unpickling rebuilds each descriptor as a tensor whose
+storage is exactly its slot
 (:mod:`._unstaging`).
 
 Alternatives rejected:
@@ -54,16 +56,11 @@ from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch, TensorBatch
 from ._copy import CopyJob, start_copy
 from ._messages import Slot
+from ._placement import Placement, place
 from ._stage_cache import StageCache
 from ._unstaging import rebuild_batch, rebuild_staged
 
 logger = get_logger(__name__)
-
-_ALIGN = 64
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 @dataclass
@@ -216,25 +213,38 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
     return payload, collector
 
 
-def _layout(slots: list[_PendingSlot]) -> tuple[int, tuple[Slot, ...]]:
-    """Place ``slots`` in an arena, back to back: its bytes and each slot's place."""
-    offset = 0
-    for slot in slots:
+def _layout(slots: list[_PendingSlot]) -> Placement:
+    """Place ``slots`` in an arena (see :mod:`._placement`), setting each one's offset."""
+    placement = place(
+        [
+            (p.storage.data_ptr() if p.storage.device.type == "cpu" else None, p.nbytes)
+            for p in slots
+        ]
+    )
+    for slot, offset in zip(slots, placement.offsets, strict=True):
         slot.offset = offset
-        offset += _align(slot.nbytes)
-    return offset, tuple((p.offset, p.nbytes) for p in slots)
+    return placement
+
+
+def _slots(slots: list[_PendingSlot]) -> tuple[Slot, ...]:
+    return tuple((p.offset, p.nbytes) for p in slots)
 
 
 def copy_into(
-    arena: Arena, slots: list[_PendingSlot], *, threads: int = 1, overlap: bool = False
+    arena: Arena,
+    slots: list[_PendingSlot],
+    placement: Placement,
+    *,
+    threads: int = 1,
+    overlap: bool = False,
 ) -> CopyJob:
     """Copy each pending storage into its arena slot (the only trainer-side data copy).
 
-    Host storages are copied by :func:`._copy.start_copy` (memmove, coalesced, ``threads``
-    threads); device storages with ``copy_``. See there for ``overlap``.
+    Host storages are copied by :func:`._copy.start_copy` as the placement's runs (memmove,
+    ``threads`` threads); device storages with ``copy_``. See there for ``overlap``.
     """
     base = arena.address
-    host: list[tuple[int, int, int]] = []
+    host = [(base + dst, src, n) for dst, src, n in placement.runs]
     device: list[tuple[torch.Tensor, torch.Tensor]] = []
     keepalive: list[Any] = []
     for slot in slots:
@@ -242,7 +252,6 @@ def copy_into(
             continue
         storage = slot.storage
         if storage.device.type == "cpu":
-            host.append((base + slot.offset, storage.data_ptr(), slot.nbytes))
             keepalive.append(storage)
         else:
             src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -282,9 +291,10 @@ def stage(
             arena, job = cache.copy(pool, wait_for_release, tensors, overlap=overlap)
             return StagedRequest(payload, arena, cache.slots, cache.total, job if overlap else None)
     payload, collector = collect_descriptors(obj, what)
-    total, slots = _layout(collector.slots)
+    placement = _layout(collector.slots)
+    slots, total = _slots(collector.slots), placement.total
     if cache is not None:
-        _remember(cache, collector, slots, total, threads)
+        _remember(cache, collector, slots, placement, threads)
     if not slots:
         return StagedRequest(payload, None, (), 0)
     if cache is not None and cache.planned_for(slots):
@@ -293,7 +303,7 @@ def stage(
     else:
         arena = pool.acquire(total, wait_for_release)
         try:
-            job = copy_into(arena, collector.slots, threads=threads, overlap=overlap)
+            job = copy_into(arena, collector.slots, placement, threads=threads, overlap=overlap)
         except BaseException:
             pool.release(arena.arena_id)
             raise
@@ -304,20 +314,19 @@ def _remember(
     cache: StageCache,
     collector: _Collector,
     slots: tuple[Slot, ...],
-    total: int,
+    placement: Placement,
     threads: int,
     *,
     counted: bool = True,
 ) -> None:
-    host = [(p.offset, p.storage.data_ptr(), p.nbytes) for p in collector.slots if p.nbytes]
     cache.remember(
         collector.tensors,
         collector.reduced,
         collector.counts,
         collector.reusable,
         slots,
-        host,
-        total,
+        list(placement.runs),
+        placement.total,
         threads,
         counted=counted,
     )
@@ -332,6 +341,6 @@ def prime(obj: Any, cache: StageCache, threads: int, what: str = "the warm-up st
     from its first save on. Any other request simply misses (see :mod:`._stage_cache`).
     """
     _, collector = collect_descriptors(obj, what)
-    total, slots = _layout(collector.slots)
-    _remember(cache, collector, slots, total, threads, counted=False)
-    return total
+    placement = _layout(collector.slots)
+    _remember(cache, collector, _slots(collector.slots), placement, threads, counted=False)
+    return placement.total
