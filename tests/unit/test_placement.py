@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from resilient_ckpt.async_ckpt._placement import ALIGN, BRIDGE_MAX_BYTES, place
@@ -94,8 +95,10 @@ def test_far_apart_and_tiny_storages_are_not_bridged() -> None:
     assert len(place(near).runs) == 1
 
 
-def test_consecutive_tensors_stage_as_one_range_and_round_trip() -> None:
-    tensors = [torch.randn(1000 + k) for k in range(300)]
+@pytest.mark.parametrize("threads", [1, 3])
+def test_consecutive_tensors_stage_as_one_range_and_round_trip(threads: int) -> None:
+    # ~10 MB: above PARALLEL_MIN_BYTES, so with 3 threads the runs are cut into shares.
+    tensors = [torch.randn(8000 + k) for k in range(300)]
     base = torch.arange(64, dtype=torch.float64)
     state = {
         "params": tensors,
@@ -108,7 +111,7 @@ def test_consecutive_tensors_stage_as_one_range_and_round_trip() -> None:
     pool = ArenaPool(2)
     cache = StageCache()
     for _ in range(3):  # a full staging, then two through the cache's plan
-        staged = stage(state, pool, _never, cache=cache)
+        staged = stage(state, pool, _never, cache=cache, threads=threads)
         for t in tensors:
             t.add_(1)  # training goes on: the snapshot must not change
         base.add_(1)
@@ -126,6 +129,7 @@ def test_consecutive_tensors_stage_as_one_range_and_round_trip() -> None:
         del out
     assert cache.hits == 2
     # Allocated one after another, the 300 tensors are far fewer ranges than storages.
+    assert len(cache._shares) == threads
     segments = sum(len(share) for share in cache._shares)
     assert segments < 100, segments
     pool.close()
