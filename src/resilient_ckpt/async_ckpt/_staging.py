@@ -18,8 +18,7 @@ and filled by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host f
 synchronously or, in overlapped mode, in the background until ``wait_for_snapshot``
 (where, in a CPU-only process, the whole of :func:`stage` runs on a background thread:
 :mod:`._snapshot`). In the worker, unpickling rebuilds each descriptor as a tensor whose
-storage is exactly its slot
-(:mod:`._unstaging`).
+storage is exactly its slot (:mod:`._unstaging`).
 
 Alternatives rejected:
 
