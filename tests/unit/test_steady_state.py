@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from resilient_ckpt.async_ckpt import _layout_check
 from resilient_ckpt.async_ckpt._stage_cache import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage
 from resilient_ckpt.async_ckpt._unstaging import unstage
@@ -86,6 +87,9 @@ CHANGES = [
     ("storage swapped in place", _set_storage, False),
     ("dtype changed over the same memory", _retype_in_place, False),
     ("stride changed over the same storage", _restride, False),
+    ("requires_grad turned off", lambda s: s["param"].requires_grad_(False), False),
+    ("parameter replaced by its data", lambda s: s.__setitem__("param", s["param"].data), False),
+    ("view moved inside its base", lambda s: s.__setitem__("view", s["base"][5:13]), False),
     ("tensor added", lambda s: s.__setitem__("extra", torch.ones(4)), False),
     ("tensor removed", lambda s: s.pop("w5"), False),
     ("view replaced by its base (tied)", lambda s: s.__setitem__("view", s["base"]), False),
@@ -93,7 +97,12 @@ CHANGES = [
 ]
 
 
-def test_stage_cache_hits_only_for_an_unchanged_layout_and_stages_each_call_exactly() -> None:
+@pytest.mark.parametrize("check", ["torch's tensor guard", "from Python"])
+def test_stage_cache_hits_only_for_an_unchanged_layout_and_stages_each_call_exactly(
+    check, monkeypatch
+) -> None:
+    if check == "from Python":
+        monkeypatch.setattr(_layout_check, "_factory", None)
     pool = ArenaPool(1)
     cache = StageCache()
     state = _state()

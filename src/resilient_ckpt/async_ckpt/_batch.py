@@ -46,8 +46,8 @@ class SourcedBatch:
     ``checked()`` gives the tensors to copy from, after every check its owner needs (for a
     full staging). ``quick()`` gives the same tensors found without the per-tensor checks,
     or None where it cannot: only the staging cache's optimistic pickle calls it, and that
-    pickle is used only if the tensors' layout keys equal those of a previous *full*
-    staging of the same request. The owner guarantees that equal keys imply the checks
+    pickle is used only if the tensors' layouts equal those of a previous *full*
+    staging of the same request. The owner guarantees that equal layouts imply the checks
     pass (e.g. a storage size check is implied by equal shapes, dtypes and storage sizes).
 
     Pickled by anything but staging, it is the plain list of the detached tensors.

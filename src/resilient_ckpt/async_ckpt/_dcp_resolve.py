@@ -99,8 +99,8 @@ def quick_sources(blob: ItemsBlob, flat: dict[str, Any]) -> list | None:
     optimistic pickle (see ``SourcedBatch``): None unless every item is looked up directly
     by the C-level passes.
 
-    Unchecked here, implied by layout keys equal to a full staging's: every tensor is on
-    the CPU (the keys hold the device) and none is a view into a larger storage (equal
+    Unchecked here, implied by layouts equal to a full staging's: every tensor is on
+    the CPU (the layout holds the device) and none is a view into a larger storage (equal
     shapes, dtypes and storage sizes to tensors that were not; a cloned view's key holds
     the clone's storage, never equal to the view's).
     """

@@ -9,37 +9,36 @@ Only the bytes differ. So a save first pickles the request *optimistically*, wit
 that answers its i-th call with the previous save's i-th result (one list append, no
 per-tensor queries; a call is one tensor, or a whole ``TensorBatch`` of the staging layer,
 whose descriptors travel as one blob pickled at the full staging), then checks the guess:
-every tensor met, in order, must have the previous save's *layout key*::
+every tensor met, in order, must have the previous save's *layout* (:mod:`._layout_check`)::
 
     (type, device, layout, dtype, shape, stride, storage offset, requires_grad,
      storage address, storage bytes)
 
-Equal keys, position by position, mean equal descriptors and equal slot grouping (both are
-functions of the keys alone), and equal source addresses and lengths, so the cached copy
+Equal layouts, position by position, mean equal descriptors and equal slot grouping (both are
+functions of the layouts alone), and equal source addresses and lengths, so the cached copy
 plan copies exactly the bytes the full path would. The non-tensor part of the request
 (paths, step counters, the write items) is pickled afresh every save, so its new values are
 always in the payload. A ``SourcedBatch`` (the async DCP writer's bucket) gives this pickle
-its tensors by a quick lookup without its checks: equal keys to a full staging, which ran
+its tensors by a quick lookup without its checks: equal layouts to a full staging, which ran
 them, imply they pass. Any difference (a tensor added, removed, reshaped, re-typed, replaced
 by one in other memory, or a different count of reducer calls or of tensors per call)
-falls back to the full path,
-which rebuilds the cache. Identity is deliberately not part of the key: a tensor replaced by
-a new object over the *same* memory and layout is staged identically, and the same object
-whose storage was swapped (``.data =``, ``set_``) has a new address or layout and misses.
+falls back to the full path, which rebuilds the cache. Identity is deliberately not part of
+the layout: a tensor replaced by a new object over the *same* memory and layout is staged
+identically, and the same object whose storage was swapped (``.data =``, ``set_``) has a
+new address or layout and misses.
 
 Only requests whose tensors are all strided CPU tensors are cached (device tensors need
 their device copies; by-value tensors would repeat stale values). The cache holds no
-reference to any tensor: only the keys (plain values) and the plan.
+reference to any tensor: only the layouts (plain values) and the plan.
 
-Cost per tensor on a hit: one reducer call (an append; none in a batch) and its share of
-the layout keys' C-level column passes (~0.5 us warm, a few us when the tensors are
-cache-cold after a training step), against ~5 us for the full reducer plus a per-save
-coalesce and split.
+Cost per tensor on a hit: one reducer call (an append; none in a batch) and the layout
+check (~0.2 us warm, ~0.3-0.6 cache-cold after a training step, with PyTorch's C++ tensor
+guard; about twice that read from Python), against ~5 us for the full reducer plus a
+per-save placement and split.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +48,7 @@ from .._logging import get_logger
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch
 from ._copy import CopyJob, Segment, plan_shares, start_copy
+from ._layout_check import LayoutCheck
 from ._messages import Slot
 
 logger = get_logger(__name__)
@@ -56,26 +56,6 @@ logger = get_logger(__name__)
 
 class _Miss(Exception):
     """The optimistic pickle met more tensors than the cached request had."""
-
-
-# One C-level call per tensor for the fields that are plain attributes.
-_ATTRIBUTES = operator.attrgetter("device", "layout", "dtype", "shape", "requires_grad")
-
-
-def layout_keys(tensors: list[torch.Tensor]) -> tuple[list, ...]:
-    """The tensors' layout keys (see the module docstring) as columns, one list per field,
-    each filled by a C-level ``map``: ~0.5 us per tensor, not ~0.9 for a tuple built in
-    Python per tensor. Raises for tensors without a strided storage, which the caller
-    treats as a miss."""
-    storages = list(map(torch.Tensor.untyped_storage, tensors))
-    return (
-        list(map(type, tensors)),
-        list(map(_ATTRIBUTES, tensors)),
-        list(map(torch.Tensor.stride, tensors)),
-        list(map(torch.Tensor.storage_offset, tensors)),
-        list(map(torch.UntypedStorage.data_ptr, storages)),
-        list(map(torch.UntypedStorage.nbytes, storages)),
-    )
 
 
 class _Guess:
@@ -106,7 +86,7 @@ class _Guess:
         return self._next(len(batch))
 
     def reduce_sourced(self, batch: SourcedBatch) -> Any:
-        # The quick lookup is safe here: this pickle is used only if the layout keys match
+        # The quick lookup is safe here: this pickle is used only if the layouts match
         # a full staging's, which ran the batch's checks (see SourcedBatch).
         tensors = batch.quick()
         return self.reduce_batch(batch.checked() if tensors is None else tensors)
@@ -121,7 +101,7 @@ class StageCache:
     def __init__(self) -> None:
         self._reduced: list[Any] | None = None
         self._counts: list[int] = []
-        self._keys: tuple[list, ...] = ()
+        self._layout: LayoutCheck | None = None
         self._slots: tuple[Slot, ...] = ()
         self._total = 0
         self._threads = 0
@@ -132,7 +112,7 @@ class StageCache:
     def clear(self) -> None:
         self._reduced = None
         self._counts = []
-        self._keys = ()
+        self._layout = None
         self._shares = []
 
     def remember(
@@ -159,14 +139,14 @@ class StageCache:
             self.clear()
             return
         try:
-            keys = layout_keys(tensors)
+            layout = LayoutCheck(tensors)
         except Exception as exc:  # an exotic tensor: never reuse, stage fully
             logger.debug("staging cache disabled for this request: %r", exc)
             self.clear()
             return
         self._reduced = list(reduced)
         self._counts = list(counts)
-        self._keys = keys
+        self._layout = layout
         self._slots = slots
         self._total = total
         self._threads = threads
@@ -177,12 +157,13 @@ class StageCache:
     ) -> tuple[bytes, list[torch.Tensor]] | None:
         """The payload of ``obj`` if its tensors are laid out as at the previous save, with
         the tensors met (to keep alive while copying); None on any difference."""
-        if self._reduced is None or threads != self._threads:
+        layout = self._layout
+        if self._reduced is None or layout is None or threads != self._threads:
             return None
         guess = _Guess(self._reduced, self._counts)
         try:
             payload = dump(obj, guess)
-            if guess.calls != len(self._reduced) or layout_keys(guess.tensors) != self._keys:
+            if guess.calls != len(self._reduced) or not layout.matches(guess.tensors):
                 return None
         except Exception:  # _Miss, or anything the full path will report properly
             return None
