@@ -381,6 +381,9 @@ LOCAL_CHANGES = [
     ("values only after changes", lambda s: s.pop("obj") and s["w0"].add_(1), False, False),
     ("values only, steady again", lambda s: s["w0"].add_(1), True, False),
     ("a value beside a tuple's tensor", lambda s: s.__setitem__("step", 4), True, True),
+    ("requires_grad turned off", lambda s: s["param"].requires_grad_(False), False, False),
+    ("values only, steady after requires_grad", lambda s: s["w0"].add_(1), True, False),
+    ("only a stride changed", lambda s: s.__setitem__("w8", torch.randn(36)[::2]), False, False),
     ("the same tensor twice", lambda s: s.__setitem__("again", s["w0"]), False, False),
     ("a value, the same tensor twice", lambda s: s.__setitem__("step", 5), True, True),
 ]
@@ -485,23 +488,32 @@ def test_walk_of_uniform_mappings_equals_the_entry_by_entry_walk(monkeypatch) ->
 
 def test_local_walk_of_a_dict_of_tensors_makes_the_loop_tokens() -> None:
     """The local shard cache's C-level walk of a dict of tensors of one type gives the same
-    per-tensor tokens as its entry-by-entry walk (here: of the same tensors in a list), and a
-    changed requires_grad or dtype still changes them."""
+    tokens and tensors as its entry-by-entry walk (here: of the same tensors in a list); a
+    tensor's token is its type, the rest of its layout is checked over all tensors at once
+    (``MetaCheck``), which a changed requires_grad, dtype or stride fails."""
+    from resilient_ckpt.async_ckpt._layout_check import MetaCheck
     from resilient_ckpt.local import _shard_cache
 
     tensors = [torch.rand(3), torch.rand(2, 2).t(), torch.rand(1, requires_grad=True)]
     by_dict = _shard_cache.walk({f"t{i}": t for i, t in enumerate(tensors)})
     by_list = _shard_cache.walk(tensors)
     assert by_dict is not None and by_list is not None
-    assert by_dict[0][1:] == by_list[0][1:]
-    assert all(a is b for a, b in zip(by_dict[1], by_list[1], strict=True))
+    assert by_dict[0][1:] == by_list[0][1:] == [torch.Tensor] * 3
+    assert all(a is b for a, b in zip(by_dict[2], by_list[2], strict=True))
     params = {"p": torch.nn.Parameter(torch.rand(2)), "q": torch.nn.Parameter(torch.rand(2))}
     walked = _shard_cache.walk(params)
-    assert walked is not None and walked[0][1][0] is torch.nn.Parameter
-    tensors[0].requires_grad_(True)
-    tensors[1] = tensors[1].double()
-    changed = _shard_cache.walk({f"t{i}": t for i, t in enumerate(tensors)})
-    assert changed is not None and changed[0][1] != by_dict[0][1] and changed[0][2] != by_dict[0][2]
+    assert walked is not None and walked[0][1] is torch.nn.Parameter
+    check = MetaCheck(by_dict[2])
+    assert check.matches(list(tensors))
+    for change in (
+        lambda t: t[0].requires_grad_(True),
+        lambda t: t.__setitem__(1, t[1].double()),
+        lambda t: t.__setitem__(1, t[1].contiguous()),
+    ):
+        changed = list(tensors)
+        change(changed)
+        assert not check.matches(changed)
+        tensors[0].requires_grad_(False)
 
 
 @pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ save's stall here against ~10 for the whole save. The guard is ~0.3 ms cold.
 The guard is a private class (``torch._C._dynamo.guards.TensorGuards``, unchanged in its
 call since torch 2.1). It is used only after a probe at first use shows it tells apart each
 field this check needs; where it is missing, raises, or does not, the same fields are read
-from Python (:func:`layout_keys`). It is always built with both keyword arguments, which
+from Python (:func:`meta_keys`). It is always built with both keyword arguments, which
 its constructor reads unchecked (``None`` for both: every size and stride is static). It
 holds no reference to the tensors. It fails for a tensor object met twice (``torch.compile``
 has its inputs deduplicated), so requests holding one are checked from Python; a request
@@ -44,19 +44,20 @@ logger = get_logger(__name__)
 _ATTRIBUTES = operator.attrgetter("device", "layout", "dtype", "shape", "requires_grad")
 
 
-def layout_keys(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
-    """Every field of the tensors' layouts as columns, one list per field, each filled by a
-    C-level ``map`` (the check without the guard). Raises for tensors without a strided
-    storage."""
+def meta_keys(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
+    """Type, device, layout, dtype, shape, ``requires_grad`` and stride as columns, one list
+    per field, each filled by a C-level ``map`` (the check without the guard). Raises for
+    tensors without strides."""
     return (
         list(map(type, tensors)),
         list(map(_ATTRIBUTES, tensors)),
         list(map(torch.Tensor.stride, tensors)),
-    ) + storage_keys(tensors)
+    )
 
 
 def storage_keys(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
-    """Storage offset, storage address and storage bytes as columns."""
+    """Storage offset, storage address and storage bytes as columns. Raises for tensors
+    without a strided storage."""
     storages = list(map(torch.Tensor.untyped_storage, tensors))
     return (
         list(map(torch.Tensor.storage_offset, tensors)),
@@ -108,11 +109,10 @@ def guard_factory() -> Callable[[Sequence[torch.Tensor]], Any] | None:
     return _factory
 
 
-class LayoutCheck:
-    """The layouts of ``tensors``, to compare later tensors with (see the module docstring).
-
-    Raises for tensors without a strided storage (the caller stages such requests fully).
-    """
+class MetaCheck:
+    """Type, device, layout, dtype, shape, stride and ``requires_grad`` of ``tensors``, to
+    compare later tensors with, position by position: by PyTorch's guard where it is usable
+    (see the module docstring), else from Python. Raises for tensors without strides."""
 
     __slots__ = ("_count", "_guard", "_keys")
 
@@ -122,11 +122,11 @@ class LayoutCheck:
             make = None  # the guard refuses a tensor passed twice
         self._count = len(tensors)
         self._guard = make(tensors) if make is not None else None
-        self._keys = storage_keys(tensors) if make is not None else layout_keys(tensors)
+        self._keys = meta_keys(tensors) if make is None else ()
 
     @property
     def native(self) -> bool:
-        """Whether the first seven fields are checked by PyTorch's guard."""
+        """Whether PyTorch's guard does the check."""
         return self._guard is not None
 
     def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -134,7 +134,32 @@ class LayoutCheck:
             return False
         try:
             if self._guard is None:
-                return layout_keys(tensors) == self._keys
-            return bool(self._guard.check(*tensors)) and storage_keys(tensors) == self._keys
-        except Exception:  # a tensor without a strided storage: not the layout staged
+                return meta_keys(tensors) == self._keys
+            return bool(self._guard.check(*tensors))
+        except Exception:  # e.g. a sparse tensor (no strides): not the layout checked
+            return False
+
+
+class LayoutCheck:
+    """The whole layouts of ``tensors`` (:class:`MetaCheck` and the storage fields).
+
+    Raises for tensors without a strided storage (the caller stages such requests fully).
+    """
+
+    __slots__ = ("_meta", "_storage")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._meta = MetaCheck(tensors)
+        self._storage = storage_keys(tensors)
+
+    @property
+    def native(self) -> bool:
+        return self._meta.native
+
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        if not self._meta.matches(tensors):
+            return False
+        try:
+            return storage_keys(tensors) == self._storage
+        except Exception:  # a tensor without a strided storage
             return False

@@ -13,7 +13,8 @@ planned from:
 * which dicts and lists are met a second time, by identity (a header pickles them once:
   loading gives one object where the state had one);
 * for every tensor, what its placeholder and record hold: type, shape, dtype, device,
-  layout, ``requires_grad``;
+  layout, ``requires_grad`` (with its stride: one C++ check over all of them, see
+  :mod:`..async_ckpt._layout_check`; a changed stride alone just plans again);
 * every other leaf's type, when it is one whose equality is exact and whose pickle depends
   only on its value (``int``, ``float``, ``str``, ``bytes``, ``bool``, ``None``); a leaf of
   any other type disables the cache for that state (its pickle is re-made).
@@ -36,13 +37,13 @@ object), and only for states whose tensors are on their home devices.
 from __future__ import annotations
 
 import itertools
-import operator
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from ..async_ckpt._batch import PLAIN_TENSOR_TYPES, TensorBatch
+from ..async_ckpt._layout_check import MetaCheck
 from ._format import RecordMemo, ShardLayout, align, header_of
 from ._pickled import PickledOnce, PickledValue, constant_size, rebuild, shell_of
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
@@ -57,13 +58,6 @@ PlanFull = Callable[[Any, RecordMemo], ShardLayout]
 
 class _Unsupported(Exception):
     pass
-
-
-# A tensor's token; for a dict of tensors of one type (a model's parameters) the tokens are
-# made by C-level ``map`` calls, one by one elsewhere.
-_TENSOR_TOKEN = operator.attrgetter(
-    "__class__", "shape", "dtype", "device", "layout", "requires_grad"
-)
 
 
 def _one_tensor_type(items: list) -> bool:
@@ -89,7 +83,7 @@ def _walk(obj: Any, tokens: list, values: list, tensors: list, seen: dict[int, i
         items = list(obj.values())
         if _one_tensor_type(items):
             tensors.extend(items)
-            tokens.extend(map(_TENSOR_TOKEN, items))
+            tokens.extend(map(type, items))
             return
         for item in items:
             _walk(item, tokens, values, tensors, seen)
@@ -99,7 +93,7 @@ def _walk(obj: Any, tokens: list, values: list, tensors: list, seen: dict[int, i
             _walk(item, tokens, values, tensors, seen)
     elif kind in PLAIN_TENSOR_TYPES:
         tensors.append(obj)
-        tokens.append(_TENSOR_TOKEN(obj))
+        tokens.append(kind)
     elif kind is float:
         tokens.append(kind)
         values.append(obj.hex())  # exact: 0.0 == -0.0 but they pickle apart
@@ -217,6 +211,7 @@ class ShardPlanCache:
 
     def __init__(self) -> None:
         self._tokens: list | None = None
+        self._tensors: MetaCheck | None = None
         self._values: list = []
         self._layout: ShardLayout | None = None
         self._placeholders: list[TensorPlaceholder] = []
@@ -233,8 +228,14 @@ class ShardPlanCache:
         walked = None
         if type(state) is BasicTensorAwareStateDict and state.reusable_layout():
             walked = walk(state.state_dict)
-        cached = self._layout
-        if walked is None or cached is None or walked[0] != self._tokens:
+        cached, check = self._layout, self._tensors
+        if (
+            walked is None
+            or cached is None
+            or check is None
+            or walked[0] != self._tokens
+            or not check.matches(walked[2])
+        ):
             return self._plan_full(state, plan_full, walked)
         _, values, tensors = walked
         if values != self._values:
@@ -253,13 +254,17 @@ class ShardPlanCache:
     def _plan_full(self, state: Any, plan_full: PlanFull, walked: Any) -> ShardLayout:
         layout = plan_full(state, self._records)
         self.misses += 1
-        self._tokens, self._layout, self._placeholders = None, None, []
+        self._tokens, self._tensors, self._layout, self._placeholders = None, None, None, []
         if walked is None or not isinstance(layout.records, PickledOnce):
             return layout
         tokens, values, tensors = walked
         if len(tensors) != len(layout.tensors) or any(
             a is not b for a, b in zip(tensors, layout.tensors, strict=True)
         ):
+            return layout
+        try:
+            self._tensors = MetaCheck(tensors)
+        except Exception:  # a tensor without strides (sparse): always planned in full
             return layout
         self._tokens, self._values = tokens, values
         self._layout = ShardLayout(
