@@ -12,7 +12,7 @@ from resilient_ckpt.async_ckpt._layout_check import LayoutCheck, guard_factory
 @pytest.fixture(params=["guard", "python"])
 def implementation(request, monkeypatch):
     if request.param == "python":
-        monkeypatch.setattr(_layout_check, "_factory", None)
+        monkeypatch.setattr(_layout_check, "guard_factory", lambda: None)
     elif guard_factory() is None:
         pytest.fail("this torch's tensor guard failed the probe; see _layout_check")
     return request.param

@@ -102,7 +102,7 @@ def test_stage_cache_hits_only_for_an_unchanged_layout_and_stages_each_call_exac
     check, monkeypatch
 ) -> None:
     if check == "from Python":
-        monkeypatch.setattr(_layout_check, "_factory", None)
+        monkeypatch.setattr(_layout_check, "guard_factory", lambda: None)
     pool = ArenaPool(1)
     cache = StageCache()
     state = _state()

@@ -30,6 +30,7 @@ state at its construction, so a save under another state (``inference_mode``) on
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,15 +99,10 @@ def _guard_factory() -> Callable[[Sequence[torch.Tensor]], Any] | None:
     return None
 
 
-_UNPROBED: Any = object()
-_factory: Any = _UNPROBED
-
-
+@functools.cache
 def guard_factory() -> Callable[[Sequence[torch.Tensor]], Any] | None:
-    global _factory
-    if _factory is _UNPROBED:
-        _factory = _guard_factory()
-    return _factory
+    """:func:`_guard_factory`, probed once per process."""
+    return _guard_factory()
 
 
 class MetaCheck:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import operator
 import pickle
 import struct
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ import torch
 
 from .._checksum import CrcPipe, crc32
 from ..async_ckpt._batch import TensorBatch
+from ..async_ckpt._layout_check import MetaCheck
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._pickled import PickledOnce, PickledValue, spliced
@@ -99,40 +99,46 @@ def _check_tensor(tensor: torch.Tensor, index: int) -> None:
         )
 
 
-# What a tensor's record, and the checks that precede it, depend on (see RecordMemo).
-_RECORD_KEY = operator.attrgetter(
-    "__class__", "dtype", "shape", "requires_grad", "layout", "device"
-)
-
-
 class RecordMemo:
-    """The records of a manager's last planned shard, and the tensors' record keys they were
+    """The records of a manager's last planned shard, and the check of the tensors they were
     made from.
 
     Decision: a state that is planned in full at every save (any ``TensorAwareStateDict``
     other than a steady ``BasicTensorAwareStateDict``, e.g. Megatron's) mostly pops the same
     tensors each time. Their records (dtype, shape, offset, size, ``requires_grad``,
     parameter or not) and the checks before them are functions of each tensor's class,
-    dtype, shape, ``requires_grad``, layout, device and ``_is_param`` flag alone, read by
-    C-level passes (~0.5 us a tensor against ~2.5 to check, record and pickle it). Equal
-    keys, tensor by tensor, reuse the records and their pickle.
+    dtype, shape, ``requires_grad``, layout, device and ``_is_param`` flag alone. ``check``
+    (the staging's :class:`~..async_ckpt._layout_check.MetaCheck`: one C++ pass where
+    PyTorch's tensor guard is usable; it also holds strides) and the ``_is_param`` flags
+    equal, tensor by tensor, reuse the records and their pickle (~0.2 us a tensor against
+    ~2.5 to check, record and pickle it). ``check`` is None before the first planning.
 
     ``splices``: the last planning's pickled constant parts (see :mod:`._pickled`), which a
     header refresh of a steady ``BasicTensorAwareStateDict`` reuses (:mod:`._shard_cache`).
     """
 
-    __slots__ = ("keys", "records", "size", "splices")
+    __slots__ = ("check", "flags", "records", "size", "splices")
 
     def __init__(self) -> None:
-        self.keys: tuple[list, list] | None = None
+        self.check: MetaCheck | None = None
+        self.flags: list[bool] = []
         self.records: PickledOnce = PickledOnce(())
         self.size = 0
         self.splices: list[PickledValue] = []
 
+    def holds(self, tensors: list[torch.Tensor], flags: list[bool]) -> bool:
+        """Whether the memo's records are those of ``tensors`` (with their ``_is_param``)."""
+        return self.check is not None and flags == self.flags and self.check.matches(tensors)
 
-def _record_keys(tensors: list[torch.Tensor]) -> tuple[list, list]:
-    flags = map(getattr, tensors, itertools.repeat("_is_param"), itertools.repeat(False))
-    return list(map(_RECORD_KEY, tensors)), list(flags)
+    def remember(
+        self, tensors: list[torch.Tensor], flags: list[bool], records: PickledOnce, size: int
+    ) -> None:
+        self.records, self.size, self.flags = records, size, flags
+        self.check = MetaCheck(tensors)  # the tensors passed _check_tensor: strided
+
+
+def _param_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    return list(map(getattr, tensors, itertools.repeat("_is_param"), itertools.repeat(False)))
 
 
 def _records(tensors: list[torch.Tensor]) -> tuple[PickledOnce, int]:
@@ -161,20 +167,20 @@ def plan_shard(state: TensorAwareStateDict, memo: RecordMemo | None = None) -> S
 
     A state whose ``pop_tensors`` is not implemented is saved whole (see :mod:`._whole`).
     With ``memo``, records are reused from the last planning with that memo when the
-    tensors' record keys are the same (see :class:`RecordMemo`).
+    tensors are laid out as then (see :class:`RecordMemo`).
     """
     try:
         tensors = state.pop_tensors()
     except NotImplementedError:
         return plan_shard(snapshot_whole(state), memo)
     try:
-        keys = _record_keys(tensors) if memo is not None else None
-        if memo is not None and keys == memo.keys:
+        flags = _param_flags(tensors) if memo is not None else []
+        if memo is not None and memo.holds(tensors, flags):
             records, size = memo.records, memo.size
         else:
             records, size = _records(tensors)
             if memo is not None:
-                memo.keys, memo.records, memo.size = keys, records, size
+                memo.remember(tensors, flags, records, size)
         try:
             target, splices = spliced(state)
             body = pickle.dumps((target, records), protocol=pickle.HIGHEST_PROTOCOL)

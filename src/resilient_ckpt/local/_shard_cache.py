@@ -43,7 +43,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ..async_ckpt._batch import PLAIN_TENSOR_TYPES, TensorBatch
-from ..async_ckpt._layout_check import MetaCheck
 from ._format import RecordMemo, ShardLayout, align, header_of
 from ._pickled import PickledOnce, PickledValue, constant_size, rebuild, shell_of
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
@@ -211,12 +210,12 @@ class ShardPlanCache:
 
     def __init__(self) -> None:
         self._tokens: list | None = None
-        self._tensors: MetaCheck | None = None
         self._values: list = []
         self._layout: ShardLayout | None = None
         self._placeholders: list[TensorPlaceholder] = []
-        # The last full planning's records and splices (reused by states planned in full,
-        # and by the header refresh of the cached layout, which that planning made).
+        # The last full planning's records, splices and tensor check (reused by states
+        # planned in full; the cached layout, which that planning made, is checked and its
+        # header refreshed with them).
         self._records = RecordMemo()
         self.hits = 0
         self.refreshes = 0
@@ -228,7 +227,7 @@ class ShardPlanCache:
         walked = None
         if type(state) is BasicTensorAwareStateDict and state.reusable_layout():
             walked = walk(state.state_dict)
-        cached, check = self._layout, self._tensors
+        cached, check = self._layout, self._records.check
         if (
             walked is None
             or cached is None
@@ -254,17 +253,13 @@ class ShardPlanCache:
     def _plan_full(self, state: Any, plan_full: PlanFull, walked: Any) -> ShardLayout:
         layout = plan_full(state, self._records)
         self.misses += 1
-        self._tokens, self._tensors, self._layout, self._placeholders = None, None, None, []
+        self._tokens, self._layout, self._placeholders = None, None, []
         if walked is None or not isinstance(layout.records, PickledOnce):
             return layout
         tokens, values, tensors = walked
         if len(tensors) != len(layout.tensors) or any(
             a is not b for a, b in zip(tensors, layout.tensors, strict=True)
         ):
-            return layout
-        try:
-            self._tensors = MetaCheck(tensors)
-        except Exception:  # a tensor without strides (sparse): always planned in full
             return layout
         self._tokens, self._values = tokens, values
         self._layout = ShardLayout(
