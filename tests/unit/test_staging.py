@@ -114,3 +114,43 @@ def test_a_widened_channel_queues_a_large_payload_without_its_reader() -> None:
     finally:
         left.close()
         right.close()
+
+
+def test_a_slot_table_travels_packed_and_arrives_as_the_plain_slots() -> None:
+    import multiprocessing as mp
+    import pickle
+
+    from resilient_ckpt.async_ckpt._messages import SlotTable, Submit
+
+    slots = [(i * 4096, 100 + i) for i in range(300)] + [(1 << 40, (1 << 35) + 3)]
+    table = SlotTable(slots)
+    assert table == tuple(slots)
+    once = pickle.dumps(table)
+    assert len(once) < 16 * len(slots) + 200  # two int64 a slot, not 301 tuples
+    assert pickle.dumps(table) == once  # packed once, then reused
+    back = pickle.loads(once)
+    assert type(back) is tuple and back == tuple(slots)
+    assert pickle.loads(pickle.dumps(SlotTable(()))) == ()
+
+    a, b = mp.Pipe()
+    left, right = Channel(a), Channel(b)
+    try:
+        left.send(Submit(call_idx=3, arena_id=1, slots=table, payload=b"p"))
+        got = right.recv()
+        assert isinstance(got, Submit) and got.slots == tuple(slots) and got.payload == b"p"
+    finally:
+        left.close()
+        right.close()
+
+
+def test_staging_sends_its_slots_as_a_table() -> None:
+    from resilient_ckpt.async_ckpt._messages import SlotTable
+
+    pool = ArenaPool(1)
+    base = torch.arange(10.0)
+    staged = stage(("fn", {"a": base, "v": base[2:5], "b": torch.ones(3)}), pool, lambda: False)
+    try:
+        assert isinstance(staged.slots, SlotTable) and len(staged.slots) == 2
+    finally:
+        pool.release(staged.arena.arena_id)
+        pool.close()

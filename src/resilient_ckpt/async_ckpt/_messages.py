@@ -18,14 +18,16 @@ Conversation::
 
 from __future__ import annotations
 
+import array
 import enum
+import itertools
 import os
 import socket
 import threading
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .._logging import get_logger
 from ..errors import CheckpointingException
@@ -65,6 +67,32 @@ class DetachArena:
 # dataclass: a request has one per storage (thousands), and the C pickler writes plain
 # tuples of ints without a Python call each (2000 dataclasses cost ~3 ms per save).
 Slot = tuple[int, int]
+
+
+def _unpack_slots(packed: bytes) -> tuple[Slot, ...]:
+    words = array.array("q")
+    words.frombytes(packed)
+    return tuple(zip(words[0::2], words[1::2], strict=True))
+
+
+class SlotTable(tuple[Slot, ...]):
+    """A request's slots, pickled as one packed bytes object (two int64 per slot).
+
+    Pickled as plain tuples, the slots are thousands of small objects to visit on every
+    save, made at the full staging and long since evicted from the caches: ~0.4 ms of
+    cache misses per 2000 slots while the trainer waits, against ~0.02 ms to copy their
+    packed bytes. A steady-state save sends the very table of its full staging, so it is
+    packed once. The worker gets a plain tuple back.
+    """
+
+    _packed: bytes | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        packed = self._packed
+        if packed is None:
+            packed = array.array("q", itertools.chain.from_iterable(self)).tobytes()
+            self._packed = packed
+        return _unpack_slots, (packed,)
 
 
 @dataclass(frozen=True)

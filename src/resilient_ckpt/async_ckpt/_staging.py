@@ -54,7 +54,7 @@ from ..errors import CheckpointingException, InvalidRequestError
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch, TensorBatch
 from ._copy import CopyJob, start_copy
-from ._messages import Slot
+from ._messages import Slot, SlotTable
 from ._placement import Placement, place
 from ._stage_cache import StageCache
 from ._unstaging import rebuild_batch, rebuild_staged
@@ -226,7 +226,7 @@ def _layout(slots: list[_PendingSlot]) -> Placement:
 
 
 def _slots(slots: list[_PendingSlot]) -> tuple[Slot, ...]:
-    return tuple((p.offset, p.nbytes) for p in slots)
+    return SlotTable((p.offset, p.nbytes) for p in slots)
 
 
 def copy_into(
