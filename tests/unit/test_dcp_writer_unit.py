@@ -239,6 +239,40 @@ def test_unwritable_directory_is_a_storage_error(unwritable_dir) -> None:
             FileSystemWriterAsync(str(target))
 
 
+def test_a_parent_directory_is_probed_once_and_a_failed_probe_never_remembered(
+    tmp_path, monkeypatch
+) -> None:
+    import tempfile
+
+    from resilient_ckpt.async_ckpt import _writer_checks
+
+    probes: list[str] = []
+    mkstemp = tempfile.mkstemp
+
+    def counting(*args, **kwargs):
+        probes.append(kwargs["dir"])
+        return mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(_writer_checks.tempfile, "mkstemp", counting)
+    for step in range(3):  # a writer per save, each in a new directory under one parent
+        FileSystemWriterAsync(str(tmp_path / f"iter_{step}"))
+    assert probes == [str(tmp_path)]
+    (tmp_path / "iter_0").mkdir()
+    FileSystemWriterAsync(str(tmp_path / "iter_0"))  # an existing directory is its own probe
+    assert probes == [str(tmp_path), str(tmp_path / "iter_0")]
+
+    def failing(*args, **kwargs):
+        probes.append(kwargs["dir"])
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_writer_checks.tempfile, "mkstemp", failing)
+    (tmp_path / "other").mkdir()
+    for _ in range(2):
+        with pytest.raises(StorageError, match="not writable"):
+            FileSystemWriterAsync(str(tmp_path / "other" / "ckpt"))
+    assert probes[-2:] == [str(tmp_path / "other")] * 2
+
+
 def test_overwrite_uncommits_first_and_can_be_refused(tmp_path) -> None:
     state = _state()
     _save(state, tmp_path / "ck")

@@ -5,14 +5,17 @@ option or an unwritable directory raises there, on the rank that has it, with th
 parameter named, instead of failing later inside planning (where the other ranks would wait
 in a collective) or in the background write. The directory check creates and removes a file
 (the one reliable test: root ignores permission bits) in the checkpoint directory or the
-ancestor it will be created in; it applies to local paths only (object stores have no
-directories to probe; their first upload reports a bad profile or bucket).
+ancestor it will be created in, once per directory and process; it applies to local paths
+only (object stores have no directories to probe; their first upload reports a bad profile
+or bucket).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -73,10 +76,25 @@ def _nearest_existing_dir(path: str) -> str:
     return path
 
 
+# Directories a probe found writable, most recent last. A job makes a writer per save, in a
+# new checkpoint directory under the same parent: probing that parent once per process is
+# enough, and saves every later save a file create and unlink (metadata operations that
+# cost milliseconds on a parallel file system, from every rank at once). Write access lost
+# later fails that save's background write, which is reported on every rank.
+_PROBED: OrderedDict[str, None] = OrderedDict()
+_PROBED_MAX = 64
+_probed_lock = threading.Lock()
+
+
 def _probe_writable(directory: str) -> None:
     """Create and remove a file in ``directory`` (the checkpoint directory or the ancestor
     it will be created in): the one reliable check, as root ignores permission bits. Done
-    once, when the writer is made, so a bad path fails there, before any collective."""
+    when the writer is made, so a bad path fails there, before any collective; once per
+    directory and process (see ``_PROBED``)."""
+    with _probed_lock:
+        if directory in _PROBED:
+            _PROBED.move_to_end(directory)
+            return
     try:
         fd, probe = tempfile.mkstemp(prefix=".resilient_ckpt_probe-", dir=directory)
     except OSError as exc:
@@ -85,3 +103,7 @@ def _probe_writable(directory: str) -> None:
         ) from exc
     os.close(fd)
     os.unlink(probe)
+    with _probed_lock:
+        _PROBED[directory] = None
+        while len(_PROBED) > _PROBED_MAX:
+            _PROBED.popitem(last=False)
