@@ -244,7 +244,7 @@ def test_a_parent_directory_is_probed_once_and_a_failed_probe_never_remembered(
 ) -> None:
     import tempfile
 
-    from resilient_ckpt.async_ckpt import _writer_checks
+    from resilient_ckpt.storage import posix
 
     probes: list[str] = []
     mkstemp = tempfile.mkstemp
@@ -253,7 +253,7 @@ def test_a_parent_directory_is_probed_once_and_a_failed_probe_never_remembered(
         probes.append(kwargs["dir"])
         return mkstemp(*args, **kwargs)
 
-    monkeypatch.setattr(_writer_checks.tempfile, "mkstemp", counting)
+    monkeypatch.setattr(posix.tempfile, "mkstemp", counting)
     for step in range(3):  # a writer per save, each in a new directory under one parent
         FileSystemWriterAsync(str(tmp_path / f"iter_{step}"))
     assert probes == [str(tmp_path)]
@@ -265,7 +265,7 @@ def test_a_parent_directory_is_probed_once_and_a_failed_probe_never_remembered(
         probes.append(kwargs["dir"])
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(_writer_checks.tempfile, "mkstemp", failing)
+    monkeypatch.setattr(posix.tempfile, "mkstemp", failing)
     (tmp_path / "other").mkdir()
     for _ in range(2):
         with pytest.raises(StorageError, match="not writable"):

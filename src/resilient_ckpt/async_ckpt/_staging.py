@@ -212,8 +212,9 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
     return payload, collector
 
 
-def _layout(slots: list[_PendingSlot]) -> Placement:
-    """Place ``slots`` in an arena (see :mod:`._placement`), setting each one's offset."""
+def _layout(slots: list[_PendingSlot]) -> tuple[Placement, tuple[Slot, ...]]:
+    """Place ``slots`` in an arena (see :mod:`._placement`), setting each one's offset;
+    the placement and the slots' table for the worker."""
     placement = place(
         [
             (p.storage.data_ptr() if p.storage.device.type == "cpu" else None, p.nbytes)
@@ -222,11 +223,7 @@ def _layout(slots: list[_PendingSlot]) -> Placement:
     )
     for slot, offset in zip(slots, placement.offsets, strict=True):
         slot.offset = offset
-    return placement
-
-
-def _slots(slots: list[_PendingSlot]) -> tuple[Slot, ...]:
-    return SlotTable((p.offset, p.nbytes) for p in slots)
+    return placement, SlotTable(zip(placement.offsets, (p.nbytes for p in slots), strict=True))
 
 
 def copy_into(
@@ -290,8 +287,8 @@ def stage(
             arena, job = cache.copy(pool, wait_for_release, tensors, overlap=overlap)
             return StagedRequest(payload, arena, cache.slots, cache.total, job if overlap else None)
     payload, collector = collect_descriptors(obj, what)
-    placement = _layout(collector.slots)
-    slots, total = _slots(collector.slots), placement.total
+    placement, slots = _layout(collector.slots)
+    total = placement.total
     if cache is not None:
         _remember(cache, collector, slots, placement, threads)
     if not slots:
@@ -340,6 +337,6 @@ def prime(obj: Any, cache: StageCache, threads: int, what: str = "the warm-up st
     from its first save on. Any other request simply misses (see :mod:`._stage_cache`).
     """
     _, collector = collect_descriptors(obj, what)
-    placement = _layout(collector.slots)
-    _remember(cache, collector, _slots(collector.slots), placement, threads, counted=False)
+    placement, slots = _layout(collector.slots)
+    _remember(cache, collector, slots, placement, threads, counted=False)
     return placement.total

@@ -13,14 +13,14 @@ or bucket).
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConfigurationError, StorageError
+from ..errors import ConfigurationError
 from ..storage.base import is_msc_url
+from ..storage.posix import probe_writable
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -87,22 +87,14 @@ _probed_lock = threading.Lock()
 
 
 def _probe_writable(directory: str) -> None:
-    """Create and remove a file in ``directory`` (the checkpoint directory or the ancestor
-    it will be created in): the one reliable check, as root ignores permission bits. Done
-    when the writer is made, so a bad path fails there, before any collective; once per
-    directory and process (see ``_PROBED``)."""
+    """``probe_writable`` on ``directory`` (the checkpoint directory or the ancestor it
+    will be created in), when the writer is made, so a bad path fails there, before any
+    collective; once per directory and process (see ``_PROBED``)."""
     with _probed_lock:
         if directory in _PROBED:
             _PROBED.move_to_end(directory)
             return
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".resilient_ckpt_probe-", dir=directory)
-    except OSError as exc:
-        raise StorageError(
-            f"checkpoint directory {directory!r} is not writable: {exc.strerror or exc}"
-        ) from exc
-    os.close(fd)
-    os.unlink(probe)
+    probe_writable(directory)
     with _probed_lock:
         _PROBED[directory] = None
         while len(_PROBED) > _PROBED_MAX:

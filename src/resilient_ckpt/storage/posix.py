@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import BinaryIO
@@ -11,6 +12,18 @@ from typing import BinaryIO
 from ..errors import StorageError
 from .base import Listing, StorageBackend
 from .commit import atomic_file, fsync_dir
+
+
+def probe_writable(directory: str, what: str = "checkpoint directory") -> None:
+    """Create and remove a file in ``directory``: the one reliable test that it is writable
+    (root ignores permission bits; a read-only mount or a full inode table shows only
+    here). Raises :class:`StorageError` naming ``what`` and the directory."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".resilient_ckpt_probe-", dir=directory)
+    except OSError as exc:
+        raise StorageError(f"{what} {directory!r} is not writable: {exc.strerror or exc}") from exc
+    os.close(fd)
+    os.unlink(probe)
 
 
 class PosixBackend(StorageBackend):

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from ..._logging import get_logger
-from ...errors import ConfigurationError, CorruptCheckpointError, StorageError
+from ...errors import ConfigurationError, CorruptCheckpointError
 from ...storage.commit import RenameCommit
-from ...storage.posix import PosixBackend
+from ...storage.posix import PosixBackend, probe_writable
 from .. import _deleter, _nvrx_format
 from .._format import read_verified
 from .._manifest import (
@@ -245,15 +245,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
         directory = str(self.local_ckpt_dir)
         self._backend.makedirs(directory)
         if not self._probed:
-            probe = os.path.join(directory, f".write-probe-{os.getpid()}")
-            try:
-                with open(probe, "wb"):
-                    pass
-                os.unlink(probe)
-            except OSError as exc:
-                raise StorageError(
-                    f"local checkpoint directory {directory} is not writable: {exc}"
-                ) from exc
+            probe_writable(directory, "local checkpoint directory")
             self._probed = True
         for name in self._names():
             parsed = parse_name(name)
