@@ -77,9 +77,28 @@ def library_group(timeout: float | None = None) -> Any:
     if group is None:
         seconds = default_timeouts().collective if timeout is None else timeout
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-        _groups.clear()
+        _groups.clear()  # a new default group: the old groups are gone with it
         _groups[key] = group
         logger.debug("created library gloo group (timeout %.0fs)", seconds)
+    return group
+
+
+def background_group(timeout: float | None = None) -> Any:
+    """A second library gloo group over all ranks, for collectives that run off the
+    trainer's thread (a deferred DCP plan, on the staging thread): a collective there must
+    not interleave with the trainer's own on the library group, and each thread keeps its
+    collectives in the same order on every rank only on a group of its own.
+
+    Collective on first use, like :func:`library_group`.
+    """
+    key = -id(dist.group.WORLD)
+    group = _groups.get(key)
+    if group is None:
+        library_group(timeout)  # both exist, created in the same order on every rank
+        seconds = default_timeouts().collective if timeout is None else timeout
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+        _groups[key] = group
+        logger.debug("created library background gloo group (timeout %.0fs)", seconds)
     return group
 
 

@@ -29,12 +29,20 @@ from ._completion import State
 from ._copy import check_copy_threads, warm_threads
 from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
-from ._request import AsyncRequest
+from ._request import AsyncRequest, resolve_deferred
 from ._snapshot import PendingSnapshot, stages_in_background
 from ._stage_cache import StageCache
 from ._staging import StagedRequest, prime, stage
 
 logger = get_logger(__name__)
+
+
+def _complete_and_stage(request: tuple, *args: Any, **kwargs: Any) -> StagedRequest:
+    """Stage ``(async_fn, args, kwargs, preload_fn)`` after completing its deferred
+    arguments (a DCP save planned at staging, see :mod:`._deferred_plan`): here, so that
+    in overlapped staging that work runs on the staging thread too."""
+    resolve_deferred(request[1])
+    return stage(request, *args, **kwargs)
 
 
 def _no_wait() -> bool:
@@ -95,7 +103,7 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
         call_idx = async_req.call_idx
         started = time.perf_counter()
         stage_request = functools.partial(
-            stage,
+            _complete_and_stage,
             (
                 async_req.async_fn,
                 tuple(async_req.async_fn_args),

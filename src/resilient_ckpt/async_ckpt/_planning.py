@@ -153,8 +153,13 @@ class Planning:
             self.writer.set_up_storage_writer(coordinator)
 
     def context(self) -> tuple:
-        """Who plans: planner type and settings, writer type, world size, ranks."""
+        """Who plans: planner type and settings, writer type, world size, ranks (None for
+        every rank of the default group, whichever group object carries the collectives:
+        a deferred plan runs them on the library's background group)."""
         group = self.dist_wrapper.group
+        ranks = None if group is None else tuple(dist.get_process_group_ranks(group))
+        if ranks is not None and ranks == tuple(range(dist.get_world_size())):
+            ranks = None
         return (
             f"{type(self.planner).__module__}.{type(self.planner).__qualname__}",
             # is_coordinator: set by set_up_planner; the coordinator rank is below anyway.
@@ -163,7 +168,7 @@ class Planning:
             self.dist_wrapper.get_world_size(),
             self.dist_wrapper.rank,
             self.dist_wrapper.coordinator_rank,
-            None if group is None else tuple(dist.get_process_group_ranks(group)),
+            ranks,
         )
 
     def signature(self) -> bytes:

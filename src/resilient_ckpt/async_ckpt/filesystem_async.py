@@ -68,6 +68,7 @@ from ..storage.commit import RecordCommit
 from ._dcp_buckets import build_buckets, host_buckets
 from ._dcp_run import discard_report, load_report, run_write_job
 from ._dcp_write import FileRecord, WriteBucket, WriteJob, write_file
+from ._deferred_plan import DeferredBuckets
 from ._writer_checks import check_flag, check_open_file, check_writer_options, checkpoint_dir_of
 from ._writer_results import (
     FILE_TABLE_ATTR,  # noqa: F401 (imported from here)
@@ -165,6 +166,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.written_files: dict[str, tuple[int, int]] = {}
         self._job: WriteJob | None = None
         self._expected_files: list[str] | None = None
+        self._deferred: DeferredBuckets | None = None  # planned when the request is staged
+        self._report_pending = False  # a save function was handed out: it writes a report
 
     @property
     def is_multi_proc_io(self) -> bool:
@@ -173,8 +176,9 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     @property
     def has_data_to_write(self) -> bool:
-        """Whether this rank's prepared save writes any file (NVRx name)."""
-        return bool(self._expected_files)
+        """Whether this rank's prepared save writes any file (NVRx name); True for a save
+        whose planning is deferred, which always runs its save function."""
+        return self._deferred is not None or bool(self._expected_files)
 
     @classmethod
     def cleanup_tensor_caches(cls) -> None:
@@ -237,7 +241,7 @@ class FileSystemWriterAsync(FileSystemWriter):
                 "the final save plan has no storage prefix; plan with "
                 "save_state_dict_async_plan (it runs prepare_global_plan)"
             )
-        self.write_buckets = build_buckets(
+        buckets = build_buckets(
             plan,
             planner,
             prefix=storage.prefix,
@@ -247,7 +251,33 @@ class FileSystemWriterAsync(FileSystemWriter):
             single_file_per_rank=self.single_file_per_rank,
             separation_hint=self.separation_hint,
         )
-        self._job = WriteJob(
+        self._expected_files = [name for _, name, _ in buckets]
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            # Completing a deferred save: its save function (bound to its job) and its
+            # payload were handed out already; the payload gets the buckets.
+            deferred.fill(buckets)
+            return
+        self.write_buckets = buckets
+        self._job = self._new_job()
+        self.written_files = {}
+        self.results_queue = None
+        self._report_pending = False
+
+    def defer_write_data(self, complete: Any) -> None:
+        """Prepare a save whose plan is made when its request is staged (see
+        :mod:`._deferred_plan`): the payload is a :class:`DeferredBuckets` that ``complete``
+        (planning, which ends in :meth:`prepare_write_data`) fills."""
+        self._job = self._new_job()
+        self._deferred = DeferredBuckets(complete, f"the save to {self.checkpoint_dir!r}")
+        self.write_buckets = self._deferred
+        self._expected_files = None
+        self.written_files = {}
+        self.results_queue = None
+        self._report_pending = False
+
+    def _new_job(self) -> WriteJob:
+        return WriteJob(
             checkpoint_dir=self.checkpoint_dir,
             use_msc=self.use_msc,
             rank=self._rank(),
@@ -260,9 +290,6 @@ class FileSystemWriterAsync(FileSystemWriter):
             multiproc_io=self.is_multiproc_io,
             align_items=self.align_items,
         )
-        self._expected_files = [name for _, name, _ in self.write_buckets]
-        self.written_files = {}
-        self.results_queue = None
 
     def get_save_function_and_args(self) -> tuple[Any, Any, list]:
         """``(save_fn, preload_fn, args)``, or ``(None, None, [])`` when this rank writes
@@ -274,7 +301,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         the request is staged nothing here keeps training memory alive. A second call for
         the same prepared save raises; ``prepare_write_data`` prepares the next one.
         """
-        if not self._expected_files or self._job is None:
+        if self._job is None or (self._deferred is None and not self._expected_files):
             return None, None, []
         if self.write_buckets is None:
             raise FrozenRequestError(
@@ -283,6 +310,7 @@ class FileSystemWriterAsync(FileSystemWriter):
                 "prepare_write_data (or plan again) to prepare another save"
             )
         buckets, self.write_buckets = self.write_buckets, None
+        self._report_pending = True
         save_fn = functools.partial(type(self).write_preloaded_data_multithread, self._job)
         preload_fn = functools.partial(type(self).preload_tensors, buckets, True)
         return save_fn, preload_fn, [self._job.rank, buckets]
@@ -296,7 +324,10 @@ class FileSystemWriterAsync(FileSystemWriter):
         (``share_memory_()``, as multiprocessing queues leave them) are cloned, since the
         trainer may still write to them (a fork shares such pages instead of copying them on
         write); private CPU tensors, our staged snapshots included, are passed as they are.
+        A deferred save's buckets are planned first.
         """
+        if isinstance(write_buckets, DeferredBuckets):
+            write_buckets = list(write_buckets.resolve())
         return host_buckets(write_buckets, non_blocking)
 
     # -- the background write ---------------------------------------------------------------
@@ -328,11 +359,13 @@ class FileSystemWriterAsync(FileSystemWriter):
     def retrieve_write_results(self) -> list[WriteResult]:
         """This rank's write results; raises ``CheckpointWriteError`` if the write failed."""
         if self._expected_files is None:
-            raise CheckpointWriteError(
-                "retrieve_write_results before prepare_write_data: nothing was planned",
-                rank=self._rank(),
+            what = (
+                "the deferred planning of this save did not run: its request was not staged"
+                if self._deferred is not None
+                else "retrieve_write_results before prepare_write_data: nothing was planned"
             )
-        if not self._expected_files or self._job is None:
+            raise CheckpointWriteError(what, rank=self._rank())
+        if self._job is None or not (self._expected_files or self._report_pending):
             return []
         report = load_report(self._job)
         self.written_files = checked_files(report, self._expected_files, self.checkpoint_dir)
@@ -379,6 +412,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         self._expected_files = None
         self.written_files = {}
         self._job = None
+        self._deferred = None
+        self._report_pending = False
 
     @property
     def checkpoint_id(self) -> str | os.PathLike:

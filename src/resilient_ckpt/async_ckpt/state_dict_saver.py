@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from .. import _dist
 from .._logging import get_logger
 from .._rank_errors import RankFailureError, from_checkpoint_exception, wrap_for_gather
-from ..errors import InvalidRequestError
+from ..errors import ConfigurationError, InvalidRequestError
 from ._fast_plan import FastRecord, steady_state_plan
 from ._metadata_cache import CheckpointMetadataCache
 from ._metadata_reuse import (
@@ -105,7 +105,9 @@ def _resolve_cache(
     return _checkpoint_metadata_cache
 
 
-def _check_inputs(state_dict: Any, storage_writer: Any, on_every_rank: bool) -> None:
+def _check_inputs(
+    state_dict: Any, storage_writer: Any, on_every_rank: bool, group: Any = None
+) -> None:
     """Refuse a bad state dict or writer on every rank if it is bad on any.
 
     A rank that raised alone would leave its peers in the planning collectives until the
@@ -125,7 +127,7 @@ def _check_inputs(state_dict: Any, storage_writer: Any, on_every_rank: bool) -> 
         check()
     except Exception as exc:
         error = exc
-    _dist.agree("DCP save planning", error)
+    _dist.agree("DCP save planning", error, group=group)
 
 
 def save_state_dict_async_plan(
@@ -136,6 +138,8 @@ def save_state_dict_async_plan(
     planner: SavePlanner | None = None,
     enable_cache: bool = False,
     metadata_cache: CheckpointMetadataCache | None = None,
+    *,
+    defer_planning: bool = False,
 ) -> tuple[Any, Metadata | None, _DistWrapper]:
     """Plan a DCP save and prepare the writer's background write (collective, all ranks).
 
@@ -144,11 +148,43 @@ def save_state_dict_async_plan(
     coordinator. With ``enable_cache`` (on every rank alike) the plan of the previous save is
     reused while the state's structure is unchanged on every rank (one small gloo collective
     per save checks it); ``metadata_cache`` defaults to the process-wide cache.
+
+    ``defer_planning=True`` (needs ``enable_cache``; every rank alike): from the second save
+    on, the planning runs where the request is staged instead of here: with
+    ``overlap_staging=True``, on the staging thread, so this call returns at once. The
+    planning is the same, the coordinator's ``global_metadata`` is filled in then, and
+    planning errors are raised by ``schedule_async_request`` or ``wait_for_snapshot``
+    instead of here (see :mod:`._deferred_plan`). Needs a writer that supports it
+    (``FileSystemWriterAsync``) and the default process group; otherwise the call plans.
     """
     use_dist = dist.is_available() and dist.is_initialized()
     dist_wrapper = _DistWrapper(process_group, use_dist, coordinator_rank)
     planner = planner if planner is not None else DefaultSavePlanner()
     cache = _resolve_cache(enable_cache, metadata_cache)
+    if defer_planning:
+        if cache is None:
+            raise ConfigurationError(
+                "defer_planning=True needs enable_cache=True: only a save whose plan is "
+                "cached can be planned later"
+            )
+        if _can_defer(cache, storage_writer, planner, process_group):
+            return _defer(state_dict, storage_writer, planner, dist_wrapper, cache)
+    everywhere = use_dist and process_group is None
+    metadata = _plan(state_dict, storage_writer, planner, dist_wrapper, cache, everywhere, None)
+    return storage_writer, metadata, dist_wrapper
+
+
+def _plan(
+    state_dict: STATE_DICT_TYPE,
+    storage_writer: Any,
+    planner: SavePlanner,
+    dist_wrapper: _DistWrapper,
+    cache: CheckpointMetadataCache | None,
+    check_everywhere: bool,
+    check_group: Any,
+) -> Metadata | None:
+    """Plan the save on ``dist_wrapper``'s group and prepare the writer; the coordinator's
+    metadata of this save."""
     planning = Planning(state_dict, storage_writer, planner, dist_wrapper)
     started = time.perf_counter()
     hit, signature, reused_loaded = False, None, False
@@ -156,7 +192,7 @@ def save_state_dict_async_plan(
     steady = bool(cache and cache.misses) and not is_decentralized(planner, storage_writer)
     central_plan = steady_state_plan(planning, cache) if steady else None
     if central_plan is None:
-        _check_inputs(state_dict, storage_writer, use_dist and process_group is None)
+        _check_inputs(state_dict, storage_writer, check_everywhere, check_group)
         if cache is not None:
             hit, signature = planning.revalidate(cache)
             central_plan = cache.cached_central_plan if hit else None
@@ -183,7 +219,48 @@ def save_state_dict_async_plan(
         "cached plan" if hit else "full planning",
         time.perf_counter() - started - plan_s,
     )
-    return storage_writer, global_metadata, dist_wrapper
+    return global_metadata
+
+
+def _can_defer(
+    cache: CheckpointMetadataCache, writer: Any, planner: Any, process_group: Any
+) -> bool:
+    """Whether this save's planning may run at staging: a plan is cached (the first save
+    plans in the call, and so agrees on everything a later check compares against), the
+    writer supports it, and the planning spans the default group (the background group's
+    ranks). The same on every rank, as the planning history and the arguments are."""
+    return (
+        bool(cache.misses)
+        and callable(getattr(writer, "defer_write_data", None))
+        and not is_decentralized(planner, writer)
+        and (process_group is None or process_group == dist.group.WORLD)
+    )
+
+
+def _defer(
+    state_dict: STATE_DICT_TYPE,
+    writer: Any,
+    planner: SavePlanner,
+    dist_wrapper: _DistWrapper,
+    cache: CheckpointMetadataCache,
+) -> tuple[Any, Metadata | None, _DistWrapper]:
+    """Hand the writer a payload that plans this save when it is staged; the coordinator's
+    metadata is a placeholder that the planning fills in place."""
+    use_dist = dist_wrapper.use_dist
+    several = use_dist and dist_wrapper.get_world_size() > 1
+    group = _dist.background_group() if several else None  # collective on first use
+    placeholder = Metadata(state_dict_metadata={}) if dist_wrapper.is_coordinator else None
+
+    def complete() -> None:
+        background = _DistWrapper(group, use_dist, dist_wrapper.coordinator_rank)
+        metadata = _plan(state_dict, writer, planner, background, cache, several, group)
+        if placeholder is not None:
+            if metadata is None:
+                raise InvalidRequestError("the deferred planning gave the coordinator no metadata")
+            vars(placeholder).update(vars(metadata))
+
+    writer.defer_write_data(complete)
+    return writer, placeholder, dist_wrapper
 
 
 def _update_cache(

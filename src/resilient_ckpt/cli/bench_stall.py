@@ -16,7 +16,8 @@ For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) 
 * ``dcp.async_save``: process mode, torch's plan caching, its shared-memory stager (no
   pinned memory, no non-blocking copies: CPU);
 * the overlapped modes (``overlap_staging=True``): the save call alone, and the later
-  ``wait_for_snapshot``;
+  ``wait_for_snapshot``; ``ours DCP overlapped+defer`` plans at staging too
+  (``defer_planning=True``), so the call leaves the planning to the staging thread;
 * the first save after the documented warm-up (median over ``--first-trials`` sets of fresh
   objects; ``warmup(state)``,
   :func:`resilient_ckpt.async_ckpt.warmup.warmup_async_save` for DCP,

@@ -234,7 +234,7 @@ class Flows:
         dist.barrier()
         return {"stall": self.parallel(), "threads": float(self.parallel.threads)}
 
-    def ours_dcp(self, overlap: bool = False) -> dict[str, float]:
+    def ours_dcp(self, overlap: bool = False, defer: bool = False) -> dict[str, float]:
         from ...async_ckpt.core import AsyncRequest
         from ...async_ckpt.filesystem_async import FileSystemWriterAsync
         from ...async_ckpt.state_dict_saver import (
@@ -247,7 +247,7 @@ class Flows:
         started = time.perf_counter()
         writer = FileSystemWriterAsync(path, thread_count=2)
         ret = save_state_dict_async_plan(
-            self.sharded, writer, enable_cache=True, metadata_cache=self.cache
+            self.sharded, writer, enable_cache=True, metadata_cache=self.cache, defer_planning=defer
         )
         save_fn, preload_fn, args = writer.get_save_function_and_args()
         finalize = functools.partial(save_state_dict_async_finalize, *ret)
@@ -262,6 +262,9 @@ class Flows:
 
     def ours_dcp_overlap(self) -> dict[str, float]:
         return self.ours_dcp(overlap=True)
+
+    def ours_dcp_overlap_defer(self) -> dict[str, float]:
+        return self.ours_dcp(overlap=True, defer=True)
 
     def torch_async(self, overlap: bool = False) -> dict[str, float]:
         path = self._path(f"rank{self.rank}_pt")
@@ -360,6 +363,7 @@ FLOWS: dict[str, Callable[[Flows], dict[str, float]]] = {
     "ours local": Flows.ours_local,
     "dcp.async_save": Flows.dcp_async_save,
     "ours DCP overlapped": Flows.ours_dcp_overlap,
+    "ours DCP overlapped+defer": Flows.ours_dcp_overlap_defer,
     "ours torch overlapped": Flows.torch_async_overlap,
 }
 # CPU only: the reference copy made by several threads, as ours copies.

@@ -62,7 +62,12 @@ def report(
                 f"{shape:<10} {flow:<26} {_ms(parallel)} {_ms(copy)} {parallel / copy:8.2f} "
                 f"{'':>13}   (the same copy split over our copy pool's threads)"
             )
-        overlapped = ("ours DCP overlapped", "ours torch overlapped", "dcp.async_save overlapped")
+        overlapped = (
+            "ours DCP overlapped",
+            "ours DCP overlapped+defer",
+            "ours torch overlapped",
+            "dcp.async_save overlapped",
+        )
         for flow in (f for f in overlapped if f"{f}|stall" in fig):
             ours, snap = fig[f"{flow}|stall"], fig[f"{flow}|snapshot"]
             target = "<= 0.1x" if flow.startswith("ours") else ""
