@@ -282,7 +282,7 @@ class Flows:
     def torch_async_overlap(self) -> dict[str, float]:
         return self.torch_async(overlap=True)
 
-    def ours_local(self) -> dict[str, float]:
+    def ours_local(self, overlap: bool = False) -> dict[str, float]:
         from ...local import BasicTensorAwareStateDict
 
         self._next_step()
@@ -291,10 +291,15 @@ class Flows:
         request = self.manager.save(BasicTensorAwareStateDict(self.local), self.n, True)
         if request is None:  # is_async=True always returns the request
             raise CheckpointingException("LocalCheckpointManager.save(is_async=True) gave None")
-        self.local_queue.schedule_async_request(request)
+        self.local_queue.schedule_async_request(request, overlap_staging=overlap)
         stall = time.perf_counter() - started
+        self.local_queue.wait_for_snapshot()
+        snapshot = time.perf_counter() - started
         self.local_queue.maybe_finalize_async_calls(blocking=True)
-        return {"stall": stall}
+        return {"stall": stall, "snapshot": snapshot}
+
+    def ours_local_overlap(self) -> dict[str, float]:
+        return self.ours_local(overlap=True)
 
     def dcp_async_save(self, overlap: bool = False) -> dict[str, float]:
         import torch.distributed.checkpoint as dcp
@@ -365,6 +370,7 @@ FLOWS: dict[str, Callable[[Flows], dict[str, float]]] = {
     "ours DCP overlapped": Flows.ours_dcp_overlap,
     "ours DCP overlapped+defer": Flows.ours_dcp_overlap_defer,
     "ours torch overlapped": Flows.torch_async_overlap,
+    "ours local overlapped": Flows.ours_local_overlap,
 }
 # CPU only: the reference copy made by several threads, as ours copies.
 CPU_FLOWS = {"memcpy threads": Flows.copy_threads}

@@ -66,6 +66,7 @@ def report(
             "ours DCP overlapped",
             "ours DCP overlapped+defer",
             "ours torch overlapped",
+            "ours local overlapped",
             "dcp.async_save overlapped",
         )
         for flow in (f for f in overlapped if f"{f}|stall" in fig):
