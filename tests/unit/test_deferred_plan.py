@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from resilient_ckpt.async_ckpt._deferred_plan import DeferredBuckets
+from resilient_ckpt.async_ckpt._deferred import DeferredList
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
@@ -63,7 +63,7 @@ def test_the_first_save_plans_in_the_call_later_ones_at_staging(tmp_path) -> Non
             state = _state(k + 1.0)
             writer, ret = _plan(state, tmp_path / f"c{k}", cache)
             buckets = writer.write_buckets
-            assert isinstance(buckets, DeferredBuckets) == (k > 0), k
+            assert isinstance(buckets, DeferredList) == (k > 0), k
             if k > 0:
                 # Nothing planned yet: the coordinator's metadata is an empty placeholder.
                 assert not buckets.resolved and ret[1] is not None
@@ -120,7 +120,7 @@ def test_a_failed_deferred_planning_is_not_run_again() -> None:
         calls.append(1)
         raise ConfigurationError("bad state")
 
-    buckets = DeferredBuckets(complete, "the test save")
+    buckets = DeferredList(complete, "the test save")
     with pytest.raises(ConfigurationError, match="bad state"):
         buckets.resolve()
     with pytest.raises(InvalidRequestError, match="failed before: bad state"):
@@ -129,13 +129,13 @@ def test_a_failed_deferred_planning_is_not_run_again() -> None:
 
 
 def test_a_resolved_payload_pickles_as_a_plain_list() -> None:
-    buckets = DeferredBuckets(lambda: buckets.fill([("a", "b", ([], []))]), "the test save")
+    buckets = DeferredList(lambda: buckets.fill([("a", "b", ([], []))]), "the test save")
     assert buckets.resolve() is buckets and buckets.resolve() is buckets
     loaded = pickle.loads(pickle.dumps(buckets))
     assert type(loaded) is list and loaded == [("a", "b", ([], []))]
 
 
 def test_a_planning_that_fills_nothing_is_an_error() -> None:
-    buckets = DeferredBuckets(lambda: None, "the test save")
-    with pytest.raises(InvalidRequestError, match="no write buckets"):
+    buckets = DeferredList(lambda: None, "the test save")
+    with pytest.raises(InvalidRequestError, match="gave nothing"):
         buckets.resolve()

@@ -27,9 +27,10 @@ from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
 from ._copy import check_copy_threads, warm_threads
+from ._deferred import resolve_deferred
 from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
-from ._request import AsyncRequest, resolve_deferred
+from ._request import AsyncRequest
 from ._snapshot import PendingSnapshot, stages_in_background
 from ._stage_cache import StageCache
 from ._staging import StagedRequest, prime, stage
@@ -39,7 +40,7 @@ logger = get_logger(__name__)
 
 def _complete_and_stage(request: tuple, *args: Any, **kwargs: Any) -> StagedRequest:
     """Stage ``(async_fn, args, kwargs, preload_fn)`` after completing its deferred
-    arguments (a DCP save planned at staging, see :mod:`._deferred_plan`): here, so that
+    arguments (a save planned at staging, see :mod:`._deferred`): here, so that
     in overlapped staging that work runs on the staging thread too."""
     resolve_deferred(request[1])
     return stage(request, *args, **kwargs)

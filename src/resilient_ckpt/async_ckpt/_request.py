@@ -72,22 +72,6 @@ class AsyncRequest(NamedTuple):
         return self.call_idx
 
 
-class DeferredArgument:
-    """An argument of an ``AsyncRequest`` completed where the request is staged (in
-    overlapped staging, on the staging thread): :meth:`resolve` completes it in place, once;
-    later calls return it as it is. See :mod:`._deferred_plan`."""
-
-    def resolve(self) -> Any:
-        raise NotImplementedError
-
-
-def resolve_deferred(args: tuple | list) -> None:
-    """Complete the request's deferred positional arguments, before it is pickled."""
-    for arg in args:
-        if isinstance(arg, DeferredArgument):
-            arg.resolve()
-
-
 def checked_preload(preload_fn: Callable[[], Any]) -> Any:
     replacement = preload_fn()
     if replacement is None:

@@ -68,7 +68,7 @@ from ..storage.commit import RecordCommit
 from ._dcp_buckets import build_buckets, host_buckets
 from ._dcp_run import discard_report, load_report, run_write_job
 from ._dcp_write import FileRecord, WriteBucket, WriteJob, write_file
-from ._deferred_plan import DeferredBuckets
+from ._deferred import DeferredList, resolved
 from ._writer_checks import check_flag, check_open_file, check_writer_options, checkpoint_dir_of
 from ._writer_results import (
     FILE_TABLE_ATTR,  # noqa: F401 (imported from here)
@@ -166,7 +166,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.written_files: dict[str, tuple[int, int]] = {}
         self._job: WriteJob | None = None
         self._expected_files: list[str] | None = None
-        self._deferred: DeferredBuckets | None = None  # planned when the request is staged
+        self._deferred: DeferredList | None = None  # planned when the request is staged
         self._report_pending = False  # a save function was handed out: it writes a report
 
     @property
@@ -266,10 +266,10 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     def defer_write_data(self, complete: Any) -> None:
         """Prepare a save whose plan is made when its request is staged (see
-        :mod:`._deferred_plan`): the payload is a :class:`DeferredBuckets` that ``complete``
+        :mod:`._deferred`): the payload is a ``DeferredList`` of buckets that ``complete``
         (planning, which ends in :meth:`prepare_write_data`) fills."""
         self._job = self._new_job()
-        self._deferred = DeferredBuckets(complete, f"the save to {self.checkpoint_dir!r}")
+        self._deferred = DeferredList(complete, f"the DCP save to {self.checkpoint_dir!r}")
         self.write_buckets = self._deferred
         self._expected_files = None
         self.written_files = {}
@@ -326,9 +326,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         write); private CPU tensors, our staged snapshots included, are passed as they are.
         A deferred save's buckets are planned first.
         """
-        if isinstance(write_buckets, DeferredBuckets):
-            write_buckets = list(write_buckets.resolve())
-        return host_buckets(write_buckets, non_blocking)
+        return host_buckets(resolved(write_buckets), non_blocking)
 
     # -- the background write ---------------------------------------------------------------
 

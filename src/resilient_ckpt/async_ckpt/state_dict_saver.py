@@ -154,7 +154,7 @@ def save_state_dict_async_plan(
     ``overlap_staging=True``, on the staging thread, so this call returns at once. The
     planning is the same, the coordinator's ``global_metadata`` is filled in then, and
     planning errors are raised by ``schedule_async_request`` or ``wait_for_snapshot``
-    instead of here (see :mod:`._deferred_plan`). Needs a writer that supports it
+    instead of here (see :mod:`._deferred`). Needs a writer that supports it
     (``FileSystemWriterAsync``) and the default process group; otherwise the call plans.
     """
     use_dist = dist.is_available() and dist.is_initialized()

@@ -18,7 +18,8 @@ For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) 
 * the overlapped modes (``overlap_staging=True``): the save call alone, and the later
   ``wait_for_snapshot``; ``ours DCP overlapped+defer`` plans at staging too
   (``defer_planning=True``), so the call leaves the planning to the staging thread;
-  ``ours local overlapped``: the local save scheduled with ``overlap_staging=True``;
+  ``ours local overlapped``: the local save scheduled with ``overlap_staging=True``, and
+  ``+defer`` with the manager's ``defer_planning`` on;
 * the first save after the documented warm-up (median over ``--first-trials`` sets of fresh
   objects; ``warmup(state)``,
   :func:`resilient_ckpt.async_ckpt.warmup.warmup_async_save` for DCP,

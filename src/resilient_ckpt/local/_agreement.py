@@ -45,13 +45,16 @@ def agree_gather(what: str, step: Callable[[], tuple[T, Any]]) -> tuple[T, list[
     return value, [o.payload for o in outcomes]  # type: ignore[return-value]
 
 
-def agree_number(what: str, step: Callable[[], T], number: int) -> tuple[T, list[int]]:
+def agree_number(
+    what: str, step: Callable[[], T], number: int, group: Any = None
+) -> tuple[T, list[int]]:
     """Like :func:`agree_gather` for an ``int`` to share: it travels in the one tensor
     all-gather that carries the failures (``agree_gather`` costs an object all-gather, two
-    collectives and a pickle per rank). Collective."""
+    collectives and a pickle per rank). Collective, on ``group`` (default: the library
+    group; a deferred save's staging passes the background group)."""
     value, error = _attempt(step)
     shared = number if error is None and isinstance(number, int) else -1
-    outcomes = _dist.agree(what, error, ints=(shared,))
+    outcomes = _dist.agree(what, error, ints=(shared,), group=group)
     return value, [o.ints[0] for o in outcomes]  # type: ignore[return-value]
 
 

@@ -282,12 +282,13 @@ class Flows:
     def torch_async_overlap(self) -> dict[str, float]:
         return self.torch_async(overlap=True)
 
-    def ours_local(self, overlap: bool = False) -> dict[str, float]:
+    def ours_local(self, overlap: bool = False, defer: bool = False) -> dict[str, float]:
         from ...local import BasicTensorAwareStateDict
 
         self._next_step()
         dist.barrier()
         started = time.perf_counter()
+        self.manager.defer_planning = defer
         request = self.manager.save(BasicTensorAwareStateDict(self.local), self.n, True)
         if request is None:  # is_async=True always returns the request
             raise CheckpointingException("LocalCheckpointManager.save(is_async=True) gave None")
@@ -300,6 +301,9 @@ class Flows:
 
     def ours_local_overlap(self) -> dict[str, float]:
         return self.ours_local(overlap=True)
+
+    def ours_local_overlap_defer(self) -> dict[str, float]:
+        return self.ours_local(overlap=True, defer=True)
 
     def dcp_async_save(self, overlap: bool = False) -> dict[str, float]:
         import torch.distributed.checkpoint as dcp
@@ -371,6 +375,7 @@ FLOWS: dict[str, Callable[[Flows], dict[str, float]]] = {
     "ours DCP overlapped+defer": Flows.ours_dcp_overlap_defer,
     "ours torch overlapped": Flows.torch_async_overlap,
     "ours local overlapped": Flows.ours_local_overlap,
+    "ours local overlapped+defer": Flows.ours_local_overlap_defer,
 }
 # CPU only: the reference copy made by several threads, as ours copies.
 CPU_FLOWS = {"memcpy threads": Flows.copy_threads}

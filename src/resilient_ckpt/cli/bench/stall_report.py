@@ -41,7 +41,7 @@ def report(
         f"slowest rank; {legend})",
         flush=True,
     )
-    head = f"{'state/rank':<10} {'flow':<26} {'stall':>8} {ref:>8} {'x ' + ref:>8}"
+    head = f"{'state/rank':<10} {'flow':<28} {'stall':>8} {ref:>8} {'x ' + ref:>8}"
     print(head + f" {'target':>13} {'dcp.async':>9} {'x dcp':>6}")
     for shape, fig in results.items():
         copy, peer = fig["memcpy|stall"], fig.get("dcp.async_save|stall")
@@ -50,7 +50,7 @@ def report(
                 continue
             ours = fig[f"{flow}|stall"]
             print(
-                f"{shape:<10} {flow:<26} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
+                f"{shape:<10} {flow:<28} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
                 f"{TARGETS[shape] if flow != 'dcp.async_save' else '':>13} "
                 f"{_ms(peer) if peer else 'n/a':>8} {_ratio(ours, peer, 6)}"
             )
@@ -59,7 +59,7 @@ def report(
             parallel = fig["memcpy threads|stall"]
             flow = f"memcpy, {threads} threads"
             print(
-                f"{shape:<10} {flow:<26} {_ms(parallel)} {_ms(copy)} {parallel / copy:8.2f} "
+                f"{shape:<10} {flow:<28} {_ms(parallel)} {_ms(copy)} {parallel / copy:8.2f} "
                 f"{'':>13}   (the same copy split over our copy pool's threads)"
             )
         overlapped = (
@@ -67,13 +67,14 @@ def report(
             "ours DCP overlapped+defer",
             "ours torch overlapped",
             "ours local overlapped",
+            "ours local overlapped+defer",
             "dcp.async_save overlapped",
         )
         for flow in (f for f in overlapped if f"{f}|stall" in fig):
             ours, snap = fig[f"{flow}|stall"], fig[f"{flow}|snapshot"]
             target = "<= 0.1x" if flow.startswith("ours") else ""
             print(
-                f"{shape:<10} {flow:<26} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
+                f"{shape:<10} {flow:<28} {_ms(ours)} {_ms(copy)} {ours / copy:8.2f} "
                 f"{target:>13}   (call + wait for the snapshot: {_ms(snap).strip()} ms)"
             )
     for flow, error in (notes or {}).items():
@@ -88,7 +89,7 @@ def report(
         for flow in ("ours DCP", "ours torch", "ours local"):
             first, steady = fig[f"{flow}|first"], fig[f"{flow}|stall"]
             print(
-                f"{shape:<10} {flow:<26} first {_ms(first)} ms  steady {_ms(steady)} ms  "
+                f"{shape:<10} {flow:<28} first {_ms(first)} ms  steady {_ms(steady)} ms  "
                 f"ratio {first / steady:6.2f}"
             )
     for shape, fig in results.items():

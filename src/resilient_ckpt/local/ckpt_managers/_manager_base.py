@@ -42,6 +42,8 @@ class ManagerBase(ABC):
             )
         self.latest_iteration = -1
         self.repl_strategy = repl_strategy
+        # Async saves without replication prepare at staging (see SaveSteps.save).
+        self.defer_planning = False
         self.session_id = session_id
         self._rank: int | None = None
         self.globally_available_ids: dict[int, list[CkptID]] = {}

@@ -21,6 +21,7 @@ import torch
 
 from ... import _dist
 from ..._logging import get_logger
+from ...async_ckpt._deferred import DeferredList, resolved
 from ...async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from ...config import default_timeouts
 from ...errors import (
@@ -60,6 +61,12 @@ def _require_tensor_aware(state_dict: Any, method: str) -> None:
         )
 
 
+def _on_host_resolved(sources: list[Source]) -> list[Source]:
+    """``preload_fn`` of a deferred save: plan it if staging did not (the fork queue), then
+    ``on_host`` (in the worker, it gets the staged sources as a plain list)."""
+    return on_host(resolved(sources))
+
+
 def _shard_bytes(state: TensorAwareStateDict) -> ShardBuffer:
     """A copy to write: received shards as they are, other states serialized."""
     return state if isinstance(state, ShardBuffer) else ShardBuffer(serialize(plan_shard(state)))
@@ -87,8 +94,12 @@ class SaveSteps(ManagerBase):
         """Save this rank's ``state_dict`` as ``iteration``; collective.
 
         Returns an :class:`AsyncRequest` to schedule on an ``AsyncCallsQueue`` (persistent
-        or fork) when ``is_async``; else writes, commits and returns None.
+        or fork) when ``is_async``; else writes, commits and returns None. With
+        ``defer_planning`` (an async save without a replication strategy) the checks, the
+        layout and their agreement run when that request is staged instead of here.
         """
+        if is_async and self.defer_planning and self.repl_strategy is None:
+            return self._deferred_request(state_dict, iteration)
         started = time.perf_counter()
         layout, iterations = agree_number(
             "local checkpoint save", lambda: self._prepare(state_dict, iteration), iteration
@@ -120,6 +131,37 @@ class SaveSteps(ManagerBase):
         finalize()
         logger.info("local checkpoint %d saved in %.3fs", iteration, time.perf_counter() - started)
         return None
+
+    def _deferred_request(self, state_dict: Any, iteration: Any) -> AsyncRequest:
+        """An async save whose preparation (the checks and the layout, agreed across
+        ranks) runs where its request is staged: in overlapped staging on the staging
+        thread, its agreement on the library's background group (see
+        :mod:`resilient_ckpt.async_ckpt._deferred`). Its sources fill in then."""
+        if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+            raise ConfigurationError(f"iteration must be an int >= 0, got {iteration!r}")
+        group = _dist.background_group() if _dist.is_distributed() else None
+        self.latest_iteration = -1
+        self._drop_cache()
+        self._background.drain(default_timeouts().finalize)
+        my_id = self._ckpt_id(iteration)
+        write_fn, targets = self._write_request(iteration, [my_id])
+
+        def complete() -> None:
+            layout, iterations = agree_number(
+                "local checkpoint save",
+                lambda: self._prepare(state_dict, iteration),
+                iteration,
+                group=group,
+            )
+            if len(set(iterations)) != 1:
+                raise ConfigurationError(f"ranks save different iterations: {iterations}")
+            self._inflight.add(iteration)
+            sources.fill([layout])
+
+        sources = DeferredList(complete, f"local checkpoint {iteration}")
+        finalize = functools.partial(self._finalize_save, iteration)
+        preload = functools.partial(_on_host_resolved, sources)
+        return AsyncRequest(write_fn, (targets, sources), [finalize], preload_fn=preload)
 
     def warmup(
         self, state_dict: TensorAwareStateDict, queue: AsyncCallsQueue | None = None

@@ -73,6 +73,11 @@ class LocalCheckpointManager(BaseCheckpointManager):
             only each rank's own copy.
         keep_latest: how many committed iterations to keep (default 1).
         sync_files: fsync data, manifests and directories (default True).
+        defer_planning: an async save without ``repl_strategy`` checks its request and lays
+            the shard out (agreed across ranks) when its request is staged, not in
+            ``save``: with ``overlap_staging=True``, on the staging thread. Its errors are
+            raised on every rank by ``schedule_async_request`` or ``wait_for_snapshot``
+            (see :mod:`resilient_ckpt.async_ckpt._deferred`). Default False.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
         *,
         keep_latest: int = 1,
         sync_files: bool = True,
+        defer_planning: bool = False,
     ) -> None:
         if not isinstance(session_id, str) or os.sep in session_id or session_id in (".", ".."):
             raise ConfigurationError(
@@ -91,6 +97,9 @@ class LocalCheckpointManager(BaseCheckpointManager):
         if not isinstance(keep_latest, int) or isinstance(keep_latest, bool) or keep_latest < 1:
             raise ConfigurationError(f"keep_latest must be an int >= 1, got {keep_latest!r}")
         super().__init__(session_id, repl_strategy)
+        if not isinstance(defer_planning, bool):
+            raise ConfigurationError(f"defer_planning must be a bool, got {defer_planning!r}")
+        self.defer_planning = defer_planning
         self.root_local_ckpt_dir = root_local_ckpt_dir
         self.keep_latest = keep_latest
         self.sync_files = sync_files
