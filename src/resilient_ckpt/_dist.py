@@ -85,7 +85,7 @@ def library_group(timeout: float | None = None) -> Any:
 
 def background_group(timeout: float | None = None) -> Any:
     """A second library gloo group over all ranks, for collectives that run off the
-    trainer's thread (a deferred DCP plan, on the staging thread): a collective there must
+    trainer's thread (a deferred save's planning, on the staging thread): a collective there must
     not interleave with the trainer's own on the library group, and each thread keeps its
     collectives in the same order on every rank only on a group of its own.
 

@@ -139,3 +139,28 @@ def test_a_planning_that_fills_nothing_is_an_error() -> None:
     buckets = DeferredList(lambda: None, "the test save")
     with pytest.raises(InvalidRequestError, match="gave nothing"):
         buckets.resolve()
+
+
+def test_deferred_planning_runs_on_the_staging_thread_after_earlier_stagings() -> None:
+    import threading
+    import time
+
+    from resilient_ckpt.async_ckpt import _snapshot
+
+    order: list[tuple[str, str]] = []
+
+    def earlier() -> None:  # an overlapped staging still running
+        time.sleep(0.2)
+        order.append(("earlier", threading.current_thread().name))
+
+    def nested() -> str:  # on the staging thread already: runs inline, no deadlock
+        return _snapshot.in_staging_order(lambda: threading.current_thread().name)
+
+    running = _snapshot._STAGER.get(1).submit(earlier)
+    buckets = DeferredList(
+        lambda: (order.append(("planned", nested())), buckets.fill([1]))[-1], "the test save"
+    )
+    assert buckets.resolve() == [1]
+    running.result()
+    assert [what for what, _ in order] == ["earlier", "planned"]
+    assert all(name.startswith("resilient_ckpt-stage") for _, name in order), order

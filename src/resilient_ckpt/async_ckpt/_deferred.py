@@ -21,8 +21,9 @@ objects. Two flows offer it:
 Nothing is assumed: the staging runs the very same planning as the call would, only later
 and on another thread. Its collectives therefore run on the library's *background* gloo
 group (:func:`resilient_ckpt._dist.background_group`), never on a group the trainer's
-thread uses, so they cannot interleave with the trainer's own collectives; one thread
-stages at a time per process, in the order the saves were scheduled.
+thread uses, so they cannot interleave with the trainer's own collectives; and it always
+runs on the one staging thread of the process (:func:`._snapshot.in_staging_order`), so
+the deferred saves of every queue plan in the order they were staged, on every rank.
 
 What the caller gives up: errors of planning (a state dict that cannot be saved, an
 iteration that is not newer, a directory that cannot be set up) are raised where the
@@ -43,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidRequestError
+from ._snapshot import in_staging_order
 
 
 class DeferredArgument:
@@ -83,6 +85,11 @@ class DeferredList(list, DeferredArgument):
         self._filled = True
 
     def resolve(self) -> DeferredList:
+        if self._filled:
+            return self
+        return in_staging_order(self._resolve_here)
+
+    def _resolve_here(self) -> DeferredList:
         with self._lock:
             if self._error is not None:
                 raise InvalidRequestError(

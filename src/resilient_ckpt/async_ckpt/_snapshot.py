@@ -20,10 +20,11 @@ wait for an arena: the caller makes sure one is free (or may be created) before 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,12 +35,28 @@ from ._staging import StagedRequest
 
 logger = get_logger(__name__)
 
-_STAGER = ThreadPool("resilient_ckpt-stage")
+_STAGER_PREFIX = "resilient_ckpt-stage"
+_STAGER = ThreadPool(_STAGER_PREFIX)
+
+T = TypeVar("T")
 
 
 def stages_in_background() -> bool:
     """Whether overlapped staging takes the background-staging form in this process."""
     return not torch.cuda.is_initialized()
+
+
+def in_staging_order(fn: Callable[[], T]) -> T:
+    """``fn()`` on the staging thread, after every background staging submitted before it.
+
+    The planning of deferred saves (see :mod:`._deferred`) runs collectives on a group of
+    its own; running it here keeps those collectives in the order the saves were staged in,
+    the same on every rank, even when one queue's overlapped staging is still running while
+    another queue (or the fork queue's ``preload_fn``) plans a save in the trainer's thread.
+    """
+    if threading.current_thread().name.startswith(_STAGER_PREFIX):
+        return fn()
+    return _STAGER.get(1).submit(fn).result()
 
 
 def _timed(stage: Callable[[], StagedRequest]) -> tuple[StagedRequest, float]:
