@@ -20,6 +20,7 @@ venv: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples docs
 	$(BIN)/ruff format --check src tests benchmarks examples docs
+	$(BIN)/python docs/gen_api.py --check
 
 typecheck: $(STAMP)
 	$(BIN)/mypy src
