@@ -73,14 +73,9 @@ def library_group(timeout: float | None = None) -> Any:
     collective deadline) becomes the group's timeout.
     """
     key = id(dist.group.WORLD)
-    group = _groups.get(key)
-    if group is None:
-        seconds = default_timeouts().collective if timeout is None else timeout
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+    if key not in _groups:
         _groups.clear()  # a new default group: the old groups are gone with it
-        _groups[key] = group
-        logger.debug("created library gloo group (timeout %.0fs)", seconds)
-    return group
+    return _gloo_group(key, "library", timeout)
 
 
 def background_group(timeout: float | None = None) -> Any:
@@ -91,14 +86,19 @@ def background_group(timeout: float | None = None) -> Any:
 
     Collective on first use, like :func:`library_group`.
     """
-    key = -id(dist.group.WORLD)
+    library_group(timeout)  # both exist, created in the same order on every rank
+    return _gloo_group(-id(dist.group.WORLD), "library background", timeout)
+
+
+def _gloo_group(key: int, what: str, timeout: float | None) -> Any:
+    """The gloo group over all ranks cached under ``key``, created (collectively) on first
+    use with ``timeout`` (default: the collective deadline)."""
     group = _groups.get(key)
     if group is None:
-        library_group(timeout)  # both exist, created in the same order on every rank
         seconds = default_timeouts().collective if timeout is None else timeout
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
         _groups[key] = group
-        logger.debug("created library background gloo group (timeout %.0fs)", seconds)
+        logger.debug("created %s gloo group (timeout %.0fs)", what, seconds)
     return group
 
 

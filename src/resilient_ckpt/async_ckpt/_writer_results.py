@@ -8,17 +8,25 @@ coordinator, :func:`complete_metadata` fills DCP's metadata as torch's writer do
 :data:`FILE_TABLE_ATTR` (``dcp.load`` ignores the attribute;
 :func:`~resilient_ckpt.async_ckpt.verify.verify_checkpoint` checks it) before the metadata
 is written as the commit record (:class:`~resilient_ckpt.storage.commit.RecordCommit`).
+:class:`CommitSteps` is that finalize side of ``FileSystemWriterAsync``.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .._logging import get_logger
 from ..errors import CheckpointWriteError
+from ..storage.commit import RecordCommit
+from ._dcp_run import discard_report, load_report
+from ._dcp_write import WriteJob
+
+logger = get_logger(__name__)
 
 # Extra attribute of the pickled Metadata (dcp.load ignores it): {"algorithm", "files"}.
 FILE_TABLE_ATTR = "resilient_ckpt_files"
@@ -73,3 +81,72 @@ def _dcp_version() -> str | None:
     from torch.distributed.checkpoint import filesystem
 
     return getattr(filesystem, "CURRENT_DCP_VERSION", None)
+
+
+class CommitSteps:
+    """The finalize side of ``FileSystemWriterAsync`` (trainer): read this rank's results
+    back, and on the coordinator write the commit record. The writer holds the state."""
+
+    checkpoint_dir: str
+    sync_files: bool
+    write_buckets: Any
+    written_files: dict[str, tuple[int, int]]
+    _backend: Any
+    _job: WriteJob | None
+    _expected_files: list[str] | None
+    _deferred: Any
+
+    if TYPE_CHECKING:
+
+        def _rank(self) -> int: ...
+
+        def storage_meta(self) -> Any: ...
+
+    def _commit(self) -> RecordCommit:
+        return RecordCommit(self._backend, self.checkpoint_dir, sync=self.sync_files)
+
+    def retrieve_write_results(self) -> list[WriteResult]:
+        """This rank's write results; raises ``CheckpointWriteError`` if the write failed."""
+        if self._expected_files is None:
+            what = (
+                "the deferred planning of this save did not run: its request was not staged"
+                if self._deferred is not None
+                else "retrieve_write_results before prepare_write_data: nothing was planned"
+            )
+            raise CheckpointWriteError(what, rank=self._rank())
+        # A save function was handed out (the payload is gone) iff a report will come: a
+        # deferred save's always, even when its planning gave this rank nothing to write.
+        handed_out = self.write_buckets is None
+        if self._job is None or not (self._expected_files or handed_out):
+            return []
+        report = load_report(self._job)
+        self.written_files = checked_files(report, self._expected_files, self.checkpoint_dir)
+        discard_report(self._job)
+        return [result for record in report.files for result in record.results]
+
+    def finish(
+        self,
+        metadata: Metadata,
+        results: list[list[WriteResult]],
+        file_checksums: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """Write the commit record (coordinator only, after every rank's write succeeded)."""
+        complete_metadata(metadata, results, self.storage_meta())
+        if file_checksums is None and len(results) == 1:
+            file_checksums = self.written_files or None
+        self.publish_metadata(metadata, file_checksums)
+
+    def publish_metadata(
+        self, metadata: Metadata, file_checksums: dict[str, tuple[int, int]] | None = None
+    ) -> None:
+        """Write ``metadata`` as the commit record, atomically, with the data files'
+        checksum table (coordinator only; ``finish`` fills it in first, a finalize that
+        reuses prepared metadata publishes that as it is)."""
+        attach_file_table(metadata, file_checksums)
+        self._commit().commit(lambda f: pickle.dump(metadata, f))
+        logger.info("committed checkpoint %s", self.checkpoint_dir)
+
+    def read_metadata(self) -> Metadata:
+        """The commit record of this writer's checkpoint, as written."""
+        with self._backend.open_read(self._commit().record_path) as f:
+            return pickle.load(f)

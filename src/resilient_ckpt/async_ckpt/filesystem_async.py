@@ -32,7 +32,8 @@ plug in without changes here.
 
 Behind the class: :mod:`._writer_checks` (what the constructor checks), :mod:`._dcp_buckets`
 (items into per-file buckets), :mod:`._dcp_write` (the background write),
-:mod:`._writer_results` (checking its report, filling the commit record) and
+:mod:`._writer_results` (steps 5 and 6: checking the report, filling and publishing the
+commit record, as the ``CommitSteps`` the class inherits) and
 :class:`~resilient_ckpt.storage.commit.RecordCommit` (writing and removing that record).
 """
 
@@ -41,13 +42,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import pickle
 import uuid
 from typing import Any, ClassVar
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -58,23 +57,19 @@ from .._rank_errors import wrap_for_gather as _wrap_exception_for_gather  # noqa
 from ..config import RetryPolicy
 from ..errors import (
     CheckpointExistsError,
-    CheckpointWriteError,
     ConfigurationError,
     FrozenRequestError,
 )
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
-from ..storage.commit import RecordCommit
 from ._dcp_buckets import build_buckets, host_buckets
-from ._dcp_run import discard_report, load_report, run_write_job
+from ._dcp_run import run_write_job
 from ._dcp_write import FileRecord, WriteBucket, WriteJob, write_file
 from ._deferred import DeferredList, resolved
 from ._writer_checks import check_flag, check_open_file, check_writer_options, checkpoint_dir_of
 from ._writer_results import (
     FILE_TABLE_ATTR,  # noqa: F401 (imported from here)
-    attach_file_table,
-    checked_files,
-    complete_metadata,
+    CommitSteps,
 )
 
 logger = get_logger(__name__)
@@ -95,7 +90,7 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
     return _results_queue
 
 
-class FileSystemWriterAsync(FileSystemWriter):
+class FileSystemWriterAsync(CommitSteps, FileSystemWriter):
     """DCP ``FileSystemWriter`` that writes in the background; see the module docstring.
 
     Args:
@@ -167,7 +162,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         self._job: WriteJob | None = None
         self._expected_files: list[str] | None = None
         self._deferred: DeferredList | None = None  # planned when the request is staged
-        self._report_pending = False  # a save function was handed out: it writes a report
 
     @property
     def is_multi_proc_io(self) -> bool:
@@ -197,9 +191,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
         self._prepare_directory()
-
-    def _commit(self) -> RecordCommit:
-        return RecordCommit(self._backend, self.checkpoint_dir, sync=self.sync_files)
 
     def _prepare_directory(self) -> None:
         self._backend.makedirs(self.checkpoint_dir)
@@ -262,7 +253,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         self._job = self._new_job()
         self.written_files = {}
         self.results_queue = None
-        self._report_pending = False
 
     def defer_write_data(self, complete: Any) -> None:
         """Prepare a save whose plan is made when its request is staged (see
@@ -274,7 +264,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         self._expected_files = None
         self.written_files = {}
         self.results_queue = None
-        self._report_pending = False
 
     def _new_job(self) -> WriteJob:
         return WriteJob(
@@ -310,7 +299,6 @@ class FileSystemWriterAsync(FileSystemWriter):
                 "prepare_write_data (or plan again) to prepare another save"
             )
         buckets, self.write_buckets = self.write_buckets, None
-        self._report_pending = True
         save_fn = functools.partial(type(self).write_preloaded_data_multithread, self._job)
         preload_fn = functools.partial(type(self).preload_tensors, buckets, True)
         return save_fn, preload_fn, [self._job.rank, buckets]
@@ -352,51 +340,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         future.set_result(self.retrieve_write_results())
         return future
 
-    # -- finalize (trainer) -----------------------------------------------------------------
-
-    def retrieve_write_results(self) -> list[WriteResult]:
-        """This rank's write results; raises ``CheckpointWriteError`` if the write failed."""
-        if self._expected_files is None:
-            what = (
-                "the deferred planning of this save did not run: its request was not staged"
-                if self._deferred is not None
-                else "retrieve_write_results before prepare_write_data: nothing was planned"
-            )
-            raise CheckpointWriteError(what, rank=self._rank())
-        if self._job is None or not (self._expected_files or self._report_pending):
-            return []
-        report = load_report(self._job)
-        self.written_files = checked_files(report, self._expected_files, self.checkpoint_dir)
-        discard_report(self._job)
-        return [result for record in report.files for result in record.results]
-
-    def finish(
-        self,
-        metadata: Metadata,
-        results: list[list[WriteResult]],
-        file_checksums: dict[str, tuple[int, int]] | None = None,
-    ) -> None:
-        """Write the commit record (coordinator only, after every rank's write succeeded)."""
-        complete_metadata(metadata, results, self.storage_meta())
-        if file_checksums is None and len(results) == 1:
-            file_checksums = self.written_files or None
-        self.publish_metadata(metadata, file_checksums)
-
-    def publish_metadata(
-        self, metadata: Metadata, file_checksums: dict[str, tuple[int, int]] | None = None
-    ) -> None:
-        """Write ``metadata`` as the commit record, atomically, with the data files'
-        checksum table (coordinator only; ``finish`` fills it in first, a finalize that
-        reuses prepared metadata publishes that as it is)."""
-        attach_file_table(metadata, file_checksums)
-        self._commit().commit(lambda f: pickle.dump(metadata, f))
-        logger.info("committed checkpoint %s", self.checkpoint_dir)
-
-    def read_metadata(self) -> Metadata:
-        """The commit record of this writer's checkpoint, as written."""
-        with self._backend.open_read(self._commit().record_path) as f:
-            return pickle.load(f)
-
     # -- identity -----------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -411,7 +354,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.written_files = {}
         self._job = None
         self._deferred = None
-        self._report_pending = False
 
     @property
     def checkpoint_id(self) -> str | os.PathLike:

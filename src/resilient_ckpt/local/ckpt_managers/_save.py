@@ -67,6 +67,11 @@ def _on_host_resolved(sources: list[Source]) -> list[Source]:
     return on_host(resolved(sources))
 
 
+def _check_iteration(iteration: Any) -> None:
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+        raise ConfigurationError(f"iteration must be an int >= 0, got {iteration!r}")
+
+
 def _shard_bytes(state: TensorAwareStateDict) -> ShardBuffer:
     """A copy to write: received shards as they are, other states serialized."""
     return state if isinstance(state, ShardBuffer) else ShardBuffer(serialize(plan_shard(state)))
@@ -77,8 +82,7 @@ class SaveSteps(ManagerBase):
 
     def _prepare(self, state_dict: Any, iteration: Any) -> ShardLayout:
         _require_tensor_aware(state_dict, "save")
-        if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
-            raise ConfigurationError(f"iteration must be an int >= 0, got {iteration!r}")
+        _check_iteration(iteration)
         newest = max(self._newest_saved, self.latest_iteration, *self._inflight)
         if iteration <= newest:
             raise ConfigurationError(
@@ -137,12 +141,10 @@ class SaveSteps(ManagerBase):
         ranks) runs where its request is staged: in overlapped staging on the staging
         thread, its agreement on the library's background group (see
         :mod:`resilient_ckpt.async_ckpt._deferred`). Its sources fill in then."""
-        if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
-            raise ConfigurationError(f"iteration must be an int >= 0, got {iteration!r}")
+        _check_iteration(iteration)  # here too: the request's targets are named by it
         group = _dist.background_group() if _dist.is_distributed() else None
         self.latest_iteration = -1
         self._drop_cache()
-        self._background.drain(default_timeouts().finalize)
         my_id = self._ckpt_id(iteration)
         write_fn, targets = self._write_request(iteration, [my_id])
 
