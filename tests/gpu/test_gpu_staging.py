@@ -38,3 +38,47 @@ def test_async_save_of_cuda_state_is_a_snapshot(tmp_path, persistent) -> None:
     loaded = torch.load(path)
     assert torch.equal(loaded["w"].cpu(), torch.ones(4096)) and loaded["n"] == 3
     ckpt.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steady_saves_of_cuda_state_each_hold_the_values_of_their_call(tmp_path, overlap) -> None:
+    """The staging cache with device copies: saves of an unchanged layout reuse it (typed
+    views of the arena, each tensor copied as itself or as its storage's raw bytes), a new
+    layout misses once, and every checkpoint holds exactly its call's values."""
+    base = torch.arange(64.0, device="cuda")
+    state = {
+        "w": torch.randn(256, 33, device="cuda"),
+        "t": torch.randn(33, 256, device="cuda").t(),  # its storage's raw bytes
+        "base": base,
+        "view": base[8:24],  # shares the base's slot
+        "h": torch.randn(1000, device="cuda", dtype=torch.bfloat16)[3:],  # a view alone
+        "cpu": torch.randn(7),
+        "step": 0,
+    }
+    ckpt = TorchAsyncCheckpoint()
+    try:
+        for n in range(5):
+            if n == 3:
+                state["w"] = torch.randn(128, 33, device="cuda")  # a new layout
+            expected = {
+                k: v.to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in state.items()
+            }
+            ckpt.async_save(state, tmp_path / f"{n}.pt", overlap_staging=overlap)
+            ckpt.wait_for_snapshot()
+            for key in ("w", "t", "base", "h", "cpu"):
+                state[key].add_(1)
+            state["step"] = n + 1
+            ckpt.finalize_async_save(blocking=True)
+            loaded = torch.load(tmp_path / f"{n}.pt", map_location="cpu")
+            assert loaded.keys() == expected.keys()
+            for key, value in expected.items():
+                if torch.is_tensor(value):
+                    assert loaded[key].dtype == value.dtype, key
+                    assert torch.equal(loaded[key], value), (n, key)
+                else:
+                    assert loaded[key] == value
+            assert torch.equal(loaded["view"], loaded["base"][8:24])
+        cache = ckpt.queue.persistent_caller.stage_cache
+        assert (cache.hits, cache.misses) == (3, 2)
+    finally:
+        ckpt.close()

@@ -5,6 +5,7 @@ import functools
 import pytest
 import torch
 
+from resilient_ckpt.async_ckpt import _device_copy
 from resilient_ckpt.async_ckpt._messages import Channel, Hello, ProtocolError, Result
 from resilient_ckpt.async_ckpt._staging import ArenaPool, stage
 from resilient_ckpt.async_ckpt._unstaging import unstage
@@ -16,7 +17,10 @@ def _never() -> bool:
     return False
 
 
-def test_stage_snapshots_and_preserves_views_and_sharing() -> None:
+@pytest.mark.parametrize("copy", ["memmove", "copy_"])
+def test_stage_snapshots_and_preserves_views_and_sharing(copy, monkeypatch) -> None:
+    if copy == "copy_":  # every storage staged as a device storage is (see _device_copy)
+        monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
     base = torch.arange(16, dtype=torch.float32)
     param = torch.nn.Parameter(torch.ones(3))
     obj = {
@@ -26,6 +30,8 @@ def test_stage_snapshots_and_preserves_views_and_sharing() -> None:
         "param": param,
         "empty": torch.empty(0),
         "i": torch.tensor([1, 2], dtype=torch.int8),
+        "t": torch.arange(6, dtype=torch.int64).reshape(2, 3).t(),  # its storage's bytes
+        "c": torch.tensor([1 + 2j, 3 - 4j]).conj(),  # the conjugate bit: the raw bytes
         "fn": functools.partial(_helpers.write_tensors, "x"),
     }
     pool = ArenaPool(1)
@@ -40,6 +46,8 @@ def test_stage_snapshots_and_preserves_views_and_sharing() -> None:
     assert isinstance(out["param"], torch.nn.Parameter) and out["param"].requires_grad
     assert torch.equal(out["param"].detach(), torch.ones(3))
     assert out["empty"].numel() == 0 and out["i"].dtype == torch.int8
+    assert torch.equal(out["t"], torch.arange(6).reshape(2, 3).t()) and out["t"].stride() == (1, 3)
+    assert torch.equal(out["c"].resolve_conj(), torch.tensor([1 - 2j, 3 + 4j]))
     # staged storage is only the bytes needed, not the whole arena
     assert out["base"].untyped_storage().nbytes() == 64
     pool.close()

@@ -11,7 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from resilient_ckpt.async_ckpt import _layout_check
+from resilient_ckpt.async_ckpt import _device_copy, _layout_check, _staging
+from resilient_ckpt.async_ckpt._arena import Arena
 from resilient_ckpt.async_ckpt._stage_cache import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage
 from resilient_ckpt.async_ckpt._unstaging import unstage
@@ -38,6 +39,7 @@ def _state() -> dict:
     state["base"] = base
     state["view"] = base[4:12]
     state["param"] = torch.nn.Parameter(torch.ones(3))
+    state["z"] = torch.tensor([1 + 2j, -3j])
     state["step"] = 1
     return state
 
@@ -93,16 +95,21 @@ CHANGES = [
     ("tensor added", lambda s: s.__setitem__("extra", torch.ones(4)), False),
     ("tensor removed", lambda s: s.pop("w5"), False),
     ("view replaced by its base (tied)", lambda s: s.__setitem__("view", s["base"]), False),
+    ("conjugate bit set over the same bytes", lambda s: s.__setitem__("z", s["z"].conj()), False),
+    ("conjugate bit cleared", lambda s: s.__setitem__("z", s["z"].conj()), False),
     ("values only after changes", lambda s: s["w0"].add_(1), True),
 ]
 
 
+@pytest.mark.parametrize("copy", ["memmove", "copy_"])
 @pytest.mark.parametrize("check", ["torch's tensor guard", "from Python"])
 def test_stage_cache_hits_only_for_an_unchanged_layout_and_stages_each_call_exactly(
-    check, monkeypatch
+    check, copy, monkeypatch
 ) -> None:
     if check == "from Python":
         monkeypatch.setattr(_layout_check, "guard_factory", lambda: None)
+    if copy == "copy_":  # every storage staged as a device storage is (see _device_copy)
+        monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
     pool = ArenaPool(1)
     cache = StageCache()
     state = _state()
@@ -130,6 +137,46 @@ def test_stage_cache_hits_only_for_an_unchanged_layout_and_stages_each_call_exac
             if torch.is_tensor(value):
                 state[key].data.copy_(value)
     pool.close()
+
+
+def test_device_copies_are_planned_once_and_reuse_the_arenas_typed_views(monkeypatch) -> None:
+    monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
+    kept = []
+    keep = Arena.keep_views
+    monkeypatch.setattr(Arena, "keep_views", lambda self, *a: kept.append(1) or keep(self, *a))
+    base = torch.arange(8.0)
+    state = {
+        "w": torch.randn(4, 5),  # its storage's bytes in order: copied as itself
+        "v": base[2:6],  # a view first: its storage is copied whole, as raw bytes ...
+        "b": base,  # ... unless its base comes along: then as the base
+        "t": torch.randn(5, 4).t(),  # transposed: raw bytes
+        "h": torch.randn(6, dtype=torch.float16)[1:],  # a view alone: raw bytes
+    }
+    pool, cache = ArenaPool(1), StageCache()
+    for _ in range(4):
+        expected = _expected(state)
+        staged = stage(("fn", state), pool, _never, cache=cache)
+        _shift_tensors(state, 1.0)
+        _, got = unstage(staged.payload, staged.arena, staged.slots)
+        _same(expected, got)
+        assert got["v"].untyped_storage().data_ptr() == got["b"].untyped_storage().data_ptr()
+        del got
+        pool.release(staged.arena.arena_id)
+    assert (cache.hits, cache.misses, len(kept)) == (3, 1, 1)
+    pool.close()
+
+    collector = _staging.collect_descriptors(state, "state")[1]
+    plan = _device_copy.plan_device_copies(
+        collector.tensors, collector.slot_of, [(0, s.nbytes) for s in collector.slots]
+    )
+    # In slot order (w, view/base, t, h): who fills each slot, and how.
+    filled = [(collector.tensors[e.source], e.whole) for e in plan]
+    assert [(t is state[k], whole) for (t, whole), k in zip(filled, "wbth", strict=True)] == [
+        (True, True),
+        (True, True),
+        (True, False),
+        (True, False),
+    ]
 
 
 def test_stage_cache_is_not_used_for_tensors_pickled_by_value() -> None:

@@ -72,6 +72,7 @@ class Arena:
                 os.close(fd)
             raise
         self.pinned = False
+        self._kept: tuple[object, list[torch.Tensor]] | None = None
         # One long-lived view gives the base address for memmove (and keeps the export).
         self._base: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.address = self._base.data_ptr()
@@ -83,6 +84,16 @@ class Arena:
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def kept_views(self, key: object) -> list[torch.Tensor] | None:
+        """The views kept for ``key`` (compared by identity) by :meth:`keep_views`, if any."""
+        kept = self._kept
+        return kept[1] if kept is not None and kept[0] is key else None
+
+    def keep_views(self, key: object, views: list[torch.Tensor]) -> None:
+        """Keep ``views`` of this arena for reuse under ``key`` (one set: the latest), until
+        the arena closes."""
+        self._kept = (key, views)
 
     def pin(self) -> None:
         """Page-lock the arena for fast asynchronous device-to-host copies (CUDA only)."""
@@ -104,6 +115,7 @@ class Arena:
             torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
             del base
             self.pinned = False
+        self._kept = None
         self._base = None
         try:
             self._mm.close()

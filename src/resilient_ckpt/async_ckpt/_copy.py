@@ -17,7 +17,8 @@ Decisions:
   ``min(4, cores of this process / local ranks)`` (``RESILIENT_CKPT_COPY_THREADS``
   overrides it), so ranks sharing a node do not oversubscribe it.
 * **Device storages** (CUDA) keep ``Tensor.copy_`` into the pinned arena, issued from the
-  calling thread, then one synchronize before the snapshot counts as taken.
+  calling thread (what fills which slot: :mod:`._device_copy`), then a synchronize of each
+  device read before the snapshot counts as taken.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class CopyJob:
 
     futures: list[Future] = field(default_factory=list)
     keepalive: list[Any] = field(default_factory=list)
-    synchronize_cuda: bool = False
+    cuda_devices: tuple[int, ...] = ()  # read from: synchronized before the copy counts as done
     _done: bool = False
 
     def done(self) -> bool:
@@ -188,8 +189,8 @@ class CopyJob:
                 raise
             except BaseException as exc:
                 errors.append(exc)
-        if self.synchronize_cuda:
-            torch.cuda.synchronize()
+        for device in self.cuda_devices:
+            torch.cuda.synchronize(device)
         self._done = True
         self.futures = []
         self.keepalive = []
@@ -217,10 +218,13 @@ def start_copy(
     """
     job = CopyJob(keepalive=keepalive if overlap else [])
     if device_copies:
+        cuda: set[int] = set()
         with torch.no_grad():
             for dst, src in device_copies:
                 dst.copy_(src, non_blocking=non_blocking)
-        job.synchronize_cuda = True
+                if src.is_cuda:
+                    cuda.add(src.get_device())
+        job.cuda_devices = tuple(cuda)
     if shares is None:
         shares = plan_shares(host, threads)
     if overlap:

@@ -2,7 +2,7 @@
 
 Every tensor must have the previous save's *layout*, position by position::
 
-    type, device, layout, dtype, shape, stride, requires_grad,
+    type, device, layout, dtype, shape, stride, requires_grad, conjugate and negative bits,
     storage offset, storage address, storage bytes
 
 (equal layouts mean equal staging descriptors, slot grouping and copy ranges, see
@@ -46,13 +46,15 @@ _ATTRIBUTES = operator.attrgetter("device", "layout", "dtype", "shape", "require
 
 
 def meta_keys(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
-    """Type, device, layout, dtype, shape, ``requires_grad`` and stride as columns, one list
-    per field, each filled by a C-level ``map`` (the check without the guard). Raises for
-    tensors without strides."""
+    """Type, device, layout, dtype, shape, ``requires_grad``, stride and the conjugate and
+    negative bits as columns, one list per field, each filled by a C-level ``map`` (the check
+    without the guard). Raises for tensors without strides."""
     return (
         list(map(type, tensors)),
         list(map(_ATTRIBUTES, tensors)),
         list(map(torch.Tensor.stride, tensors)),
+        list(map(torch.Tensor.is_conj, tensors)),
+        list(map(torch.Tensor.is_neg, tensors)),
     )
 
 
@@ -91,7 +93,15 @@ def _guard_factory() -> Callable[[Sequence[torch.Tensor]], Any] | None:
             [base[0], torch.zeros(3, 2).t()],  # stride
             [torch.zeros(4).to_sparse(), base[1]],  # layout
         ]
-        if guard.check(*base) and not any(guard.check(*other) for other in others):
+        complex_ = torch.zeros(2, dtype=torch.complex64)
+        lazy = make([complex_])  # the conjugate and negative bits (views of the same bytes)
+        bits = [complex_.conj(), torch._neg_view(complex_)]
+        if (
+            guard.check(*base)
+            and not any(guard.check(*other) for other in others)
+            and lazy.check(complex_)
+            and not any(lazy.check(other) for other in bits)
+        ):
             return make
         logger.debug("torch's tensor guard misses a layout field; checking from Python")
     except Exception as exc:  # a changed private interface

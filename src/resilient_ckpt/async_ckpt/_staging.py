@@ -51,9 +51,11 @@ import torch
 
 from .._logging import get_logger
 from ..errors import CheckpointingException, InvalidRequestError
+from . import _device_copy
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch, TensorBatch
 from ._copy import CopyJob, start_copy
+from ._device_copy import DeviceSlot, StorageKey, device_pairs, plan_device_copies
 from ._messages import Slot, SlotTable
 from ._placement import Placement, place
 from ._stage_cache import StageCache
@@ -75,7 +77,15 @@ def _reduce_module(module: types.ModuleType) -> Any:
 
 
 def _stageable(obj: torch.Tensor) -> bool:
-    return obj.layout == torch.strided and obj.device.type != "meta" and not obj.is_quantized
+    # A tensor with a lazy conjugate or negative bit goes by value, where torch's own
+    # reducer keeps the bit (a descriptor of its bytes would lose it).
+    return (
+        obj.layout == torch.strided
+        and obj.device.type != "meta"
+        and not obj.is_quantized
+        and not obj.is_conj()
+        and not obj.is_neg()
+    )
 
 
 class _Collector:
@@ -84,13 +94,12 @@ class _Collector:
     It also records, per reducer call, what :mod:`._stage_cache` needs to reuse this pickle's
     descriptors: the result and how many tensors the call described (one, or a
     :class:`TensorBatch`'s length), and the tensors in order (for their layouts, see
-    :mod:`._layout_check`). ``reusable`` turns False when a tensor is pickled by value or
-    lives on a device.
+    :mod:`._layout_check`). ``reusable`` turns False when a tensor is pickled by value.
     """
 
     def __init__(self) -> None:
         self.slots: list[_PendingSlot] = []
-        self._slot_of: dict[tuple[str, int, int], int] = {}
+        self.slot_of: dict[StorageKey, int] = {}
         self.tensors: list[torch.Tensor] = []
         self.reduced: list[Any] = []
         self.counts: list[int] = []
@@ -102,13 +111,11 @@ class _Collector:
         storage = obj.untyped_storage()
         nbytes = storage.nbytes()
         key = (storage.device.type, storage.data_ptr(), nbytes)
-        if key[0] != "cpu":
-            self.reusable = False
-        slot = self._slot_of.get(key)
+        slot = self.slot_of.get(key)
         if slot is None or nbytes == 0:
             slot = len(self.slots)
             self.slots.append(_PendingSlot(storage, nbytes))
-            self._slot_of[key] = slot
+            self.slot_of[key] = slot
         return (
             slot,
             obj.dtype,
@@ -217,7 +224,7 @@ def _layout(slots: list[_PendingSlot]) -> tuple[Placement, tuple[Slot, ...]]:
     the placement and the slots' table for the worker."""
     placement = place(
         [
-            (p.storage.data_ptr() if p.storage.device.type == "cpu" else None, p.nbytes)
+            (p.storage.data_ptr() if _device_copy.is_host(p.storage) else None, p.nbytes)
             for p in slots
         ]
     )
@@ -230,6 +237,8 @@ def copy_into(
     arena: Arena,
     slots: list[_PendingSlot],
     placement: Placement,
+    device: tuple[DeviceSlot, ...],
+    tensors: list[torch.Tensor],
     *,
     threads: int = 1,
     overlap: bool = False,
@@ -237,27 +246,20 @@ def copy_into(
     """Copy each pending storage into its arena slot (the only trainer-side data copy).
 
     Host storages are copied by :func:`._copy.start_copy` as the placement's runs (memmove,
-    ``threads`` threads); device storages with ``copy_``. See there for ``overlap``.
+    ``threads`` threads); device storages with ``copy_`` as ``device`` plans (see
+    :mod:`._device_copy`). See there for ``overlap``.
     """
     base = arena.address
     host = [(base + dst, src, n) for dst, src, n in placement.runs]
-    device: list[tuple[torch.Tensor, torch.Tensor]] = []
-    keepalive: list[Any] = []
-    for slot in slots:
-        if slot.nbytes == 0:
-            continue
-        storage = slot.storage
-        if storage.device.type == "cpu":
-            keepalive.append(storage)
-        else:
-            src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            device.append((arena.view(slot.offset, slot.nbytes), src))
+    keepalive: list[Any] = [
+        s.storage for s in slots if s.nbytes and _device_copy.is_host(s.storage)
+    ]
     return start_copy(
         host,
         threads=threads,
         overlap=overlap,
         keepalive=keepalive,
-        device_copies=device,
+        device_copies=device_pairs(device, arena, tensors),
         non_blocking=arena.pinned,
     )
 
@@ -289,21 +291,36 @@ def stage(
     payload, collector = collect_descriptors(obj, what)
     placement, slots = _layout(collector.slots)
     total = placement.total
+    device = _device_plan(collector, slots)
     if cache is not None:
-        _remember(cache, collector, slots, placement, threads)
+        _remember(cache, collector, slots, placement, device, threads)
     if not slots:
         return StagedRequest(payload, None, (), 0)
     if cache is not None and cache.planned_for(slots):
-        # Host storages only: copy with the plan just cached, not a second coalesce/split.
+        # Copy with the plan just cached, not a second coalesce/split.
         arena, job = cache.copy(pool, wait_for_release, collector.tensors, overlap=overlap)
     else:
         arena = pool.acquire(total, wait_for_release)
         try:
-            job = copy_into(arena, collector.slots, placement, threads=threads, overlap=overlap)
+            job = copy_into(
+                arena,
+                collector.slots,
+                placement,
+                device,
+                collector.tensors,
+                threads=threads,
+                overlap=overlap,
+            )
         except BaseException:
             pool.release(arena.arena_id)
             raise
     return StagedRequest(payload, arena, slots, total, job if overlap else None)
+
+
+def _device_plan(collector: _Collector, slots: tuple[Slot, ...]) -> tuple[DeviceSlot, ...]:
+    if all(map(_device_copy.is_host, (s.storage for s in collector.slots))):
+        return ()
+    return plan_device_copies(collector.tensors, collector.slot_of, slots)
 
 
 def _remember(
@@ -311,6 +328,7 @@ def _remember(
     collector: _Collector,
     slots: tuple[Slot, ...],
     placement: Placement,
+    device: tuple[DeviceSlot, ...],
     threads: int,
     *,
     counted: bool = True,
@@ -322,6 +340,7 @@ def _remember(
         collector.reusable,
         slots,
         list(placement.runs),
+        device,
         placement.total,
         threads,
         counted=counted,
@@ -338,5 +357,6 @@ def prime(obj: Any, cache: StageCache, threads: int, what: str = "the warm-up st
     """
     _, collector = collect_descriptors(obj, what)
     placement, slots = _layout(collector.slots)
-    _remember(cache, collector, slots, placement, threads, counted=False)
+    device = _device_plan(collector, slots)
+    _remember(cache, collector, slots, placement, device, threads, counted=False)
     return placement.total
