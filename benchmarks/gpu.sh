@@ -2,7 +2,8 @@
 # The checks that need a CUDA device, in one go: the tests marked `gpu` (skipped elsewhere),
 # the stall benchmark with the state on the GPU (reference: a pinned device-to-host copy of
 # the same tensors, and torch's dcp.async_save with pinned staging), then, in whatever time
-# is left of GPU_BUDGET_S, the rest of the suite with CUDA present.
+# is left of GPU_BUDGET_S, the 2000-tensor shape again without torch's flows and the rest of
+# the suite with CUDA present.
 #
 #   benchmarks/gpu.sh [OUTDIR]        # from a checkout; PYTHON (default python3) must have torch
 #
@@ -36,6 +37,18 @@ echo "exit $?"
 # Each shape's table is printed as it is done: cut short, the run still shows those.
 grep -v -e " INFO " -e "^\[rank" "$out/stall_cuda.log" | sed -n '/^Stall per save/,$p' | tail -70
 grep -E "Error|Traceback" "$out/stall_cuda.log" | head -5
+
+# The 2000-tensor shape again without torch's flows: does a flow's aftermath (torch 2.11
+# makes a fresh pinned stager per save) land in the next flow's stall?
+if [ "$(left)" -gt 240 ]; then
+    echo "== stall benchmark, 64M/2000 without torch's flows =="
+    timeout 150 "$py" -m resilient_ckpt.cli.bench_stall --device cuda --ranks "$ranks" \
+        --shapes 64M/2000 --reps "${GPU_BENCH_REPS:-6}" --warmups 2 --first-trials 1 \
+        --memory-saves 0 --skip "dcp.async_save,dcp.async_save overlapped" \
+        >"$out/stall_cuda_skip.log" 2>&1
+    echo "exit $?"
+    grep -v -e " INFO " -e "^\[rank" "$out/stall_cuda_skip.log" | sed -n '/^Stall per save/,$p' | head -14
+fi
 
 t=$(left)
 if [ "$t" -gt 60 ]; then

@@ -247,3 +247,21 @@ def test_prune_keeps_newest_committed_and_saves_in_progress(capsys, tmp_path) ->
 
     code = main(["prune", str(root), "--keep", "0"])
     assert code == 1 and "keep_latest must be an int >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(150)
+def test_bench_stall_leaves_out_the_flows_named_by_skip(capsys, tmp_path) -> None:
+    from resilient_ckpt.cli import bench_stall
+
+    with pytest.raises(SystemExit):
+        bench_stall.main(["--skip", "memcpy"])  # the reference every ratio needs
+    assert "required flow(s) ['memcpy']" in capsys.readouterr().err
+    skipped = ["dcp.async_save", "ours DCP", "ours local overlapped+defer"]
+    args = ["--ranks", "1", "--shapes", "2M/64", "--reps", "1", "--warmups", "0"]
+    args += ["--first-trials", "1", "--memory-saves", "0", "--gap-ms", "0"]
+    assert bench_stall.main([*args, "--dir", str(tmp_path), "--skip", ",".join(skipped)]) == 0
+    out = capsys.readouterr().out
+    rows = {line[11:39].strip() for line in out.splitlines() if line.startswith("2M/64")}
+    assert {"ours torch", "ours local", "ours DCP overlapped", "ours torch overlapped"} <= rows
+    assert not rows & set(skipped), rows
+    assert os.listdir(tmp_path) == []

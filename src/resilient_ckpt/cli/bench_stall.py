@@ -91,7 +91,8 @@ def _rank_main(
     out: dict[str, Any] = {}
     failed: dict[str, str] = {}
     notes: dict[str, str] = {}
-    chosen = {**FLOWS, **(CUDA_FLOWS if cfg.device == "cuda" else CPU_FLOWS)}
+    every = {**FLOWS, **(CUDA_FLOWS if cfg.device == "cuda" else CPU_FLOWS)}
+    chosen = {name: flow for name, flow in every.items() if name not in cfg.skip}
     for shape in cfg.shapes:
         flows = Flows(rank, world, cfg, shape)
         samples: dict[str, list[float]] = {}
@@ -162,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         help="where the state lives; cuda: rank r on device r %% count, the reference is a "
         "pinned device-to-host copy",
     )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="flows to leave out, comma-separated, named as in the table (e.g. to see whether "
+        "one flow's aftermath lands in the next one's stall)",
+    )
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: /dev/shm)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -169,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
+    skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
+    skippable = sorted((set(FLOWS) | set(CPU_FLOWS) | set(CUDA_FLOWS)) - {"memcpy"})
+    unknown = [s for s in skip if s not in skippable]
+    if unknown:
+        parser.error(f"--skip: unknown or required flow(s) {unknown}; choose from {skippable}")
     if args.gap_ms < 0:
         parser.error(f"--gap-ms must be >= 0, got {args.gap_ms}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -184,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         max(1, args.first_trials),
         args.gap_ms / 1000,
         args.device,
+        skip,
     )
     try:
         per_rank = launch(_rank_main, args.ranks, cfg, timeout=3600)

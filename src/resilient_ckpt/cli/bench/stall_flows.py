@@ -34,6 +34,7 @@ class Config:
     first_trials: int = 3
     gap_s: float = 0.1
     device: str = "cpu"
+    skip: tuple[str, ...] = ()  # flows left out (by name)
 
 
 def _device(rank: int, kind: str) -> torch.device:

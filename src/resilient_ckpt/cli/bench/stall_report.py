@@ -87,6 +87,8 @@ def report(
     print("\nFirst save after the warm-up (median of fresh objects) / steady save (target <= 2)")
     for shape, fig in results.items():
         for flow in ("ours DCP", "ours torch", "ours local"):
+            if f"{flow}|stall" not in fig:  # left out (--skip)
+                continue
             first, steady = fig[f"{flow}|first"], fig[f"{flow}|stall"]
             print(
                 f"{shape:<10} {flow:<28} first {_ms(first)} ms  steady {_ms(steady)} ms  "
