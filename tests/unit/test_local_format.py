@@ -31,6 +31,8 @@ def _state() -> dict:
         "i8": torch.randint(-100, 100, (11,), generator=g, dtype=torch.int8),
         "bool": torch.rand(13, generator=g) > 0.5,
         "c64": torch.randn(3, generator=g, dtype=torch.complex64),
+        "conj": torch.randn(3, generator=g, dtype=torch.complex64).conj(),  # a lazy bit: the
+        "neg": torch._neg_view(torch.randn(4, generator=g)),  # values are stored
         "scalar": torch.tensor(2.5),
         "empty": torch.empty(0, 4),
         "strided": torch.randn(6, 4, generator=g)[:, 1],

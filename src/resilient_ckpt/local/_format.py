@@ -86,8 +86,9 @@ class ShardLayout:
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's data as a flat uint8 tensor on its device (a copy if non-contiguous)."""
-    flat = tensor.detach().contiguous().reshape(-1)
+    """The tensor's values as a flat uint8 tensor on its device (a copy if non-contiguous,
+    or if a lazy conjugate or negative bit must be applied first: the values are stored)."""
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     return flat.view(torch.uint8)
 
 
