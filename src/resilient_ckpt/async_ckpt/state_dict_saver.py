@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import _dist
+from .._gc_pause import collector_paused
 from .._logging import get_logger
 from .._rank_errors import RankFailureError, from_checkpoint_exception, wrap_for_gather
 from ..errors import ConfigurationError, InvalidRequestError
@@ -364,7 +365,7 @@ def save_state_dict_async_finalize(
             checksums.update(outcome.file_checksums)
         storage_writer.publish_metadata(copy.copy(reuse_metadata_obj), checksums or None)
 
-    with _as_rank_failure("DCP save (write and commit)"):
+    with _as_rank_failure("DCP save (write and commit)"), collector_paused():
         dist_wrapper.all_reduce("write", collect, commit)
     logger.info("finalized checkpoint save in %.4fs", time.perf_counter() - started)
     if create_metadata_path is not None:

@@ -1,0 +1,75 @@
+"""The collector pause around the DCP finalize (``resilient_ckpt._gc_pause``)."""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from resilient_ckpt._gc_pause import collector_paused
+from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+from resilient_ckpt.async_ckpt.state_dict_saver import (
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture
+def collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if not was:
+        gc.disable()
+
+
+def test_the_pause_restores_the_collector_as_it_found_it(collector_on) -> None:
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():  # nested: the outer pause re-enables
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), collector_paused():
+        raise KeyError("x")
+    assert gc.isenabled()
+    gc.disable()  # a collector the user turned off stays off
+    with collector_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_dcp_finalize_gathers_and_commits_with_the_collector_paused(
+    tmp_path, monkeypatch, collector_on
+) -> None:
+    seen: list[tuple[str, bool]] = []
+    for name in ("retrieve_write_results", "finish"):
+        real = getattr(FileSystemWriterAsync, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            seen.append((_name, gc.isenabled()))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(FileSystemWriterAsync, name, spy)
+    state = {f"w{i}": torch.full((4,), float(i)) for i in range(50)}
+    queue = AsyncCallsQueue()
+    try:
+        writer = FileSystemWriterAsync(str(tmp_path / "ckpt"))
+        ret = save_state_dict_async_plan(state, writer)
+        save_fn, preload_fn, args = writer.get_save_function_and_args()
+        finalize = functools.partial(save_state_dict_async_finalize, *ret)
+        queue.schedule_async_request(AsyncRequest(save_fn, args, [finalize], preload_fn=preload_fn))
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    finally:
+        queue.close()
+    assert seen == [("retrieve_write_results", False), ("finish", False)]
+    assert gc.isenabled()
+    loaded = {k: torch.zeros(4) for k in state}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
