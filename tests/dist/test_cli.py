@@ -264,4 +264,7 @@ def test_bench_stall_leaves_out_the_flows_named_by_skip(capsys, tmp_path) -> Non
     rows = {line[11:39].strip() for line in out.splitlines() if line.startswith("2M/64")}
     assert {"ours torch", "ours local", "ours DCP overlapped", "ours torch overlapped"} <= rows
     assert not rows & set(skipped), rows
+    finalize = out[out.index("Finalize in the trainer") :].splitlines()[1:3]
+    assert [line[11:39].strip() for line in finalize] == ["ours torch", "ours local"], finalize
+    assert all("median" in line and "longest" in line for line in finalize)
     assert os.listdir(tmp_path) == []

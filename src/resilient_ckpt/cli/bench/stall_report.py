@@ -94,6 +94,20 @@ def report(
                 f"{shape:<10} {flow:<28} first {_ms(first)} ms  steady {_ms(steady)} ms  "
                 f"ratio {first / steady:6.2f}"
             )
+    print(
+        "\nFinalize in the trainer: the non-blocking finalize call that commits a save, "
+        "polled once a step as a training loop does (the background write not included; "
+        "median and longest over reps, slowest rank)"
+    )
+    for shape, fig in results.items():
+        for flow in ("ours DCP", "ours torch", "ours local"):
+            if f"{flow}|finalize" in fig:
+                finalize, longest = fig[f"{flow}|finalize"], fig[f"{flow}|finalize_max"]
+                print(
+                    f"{shape:<10} {flow:<28} median {_ms(finalize)} ms "
+                    f"({finalize / fig['memcpy|stall']:.2f} x {REFERENCES[device][0]})  "
+                    f"longest {_ms(longest)} ms"
+                )
     for shape, fig in results.items():
         if "memory|rss_growth" in fig:
             print(
