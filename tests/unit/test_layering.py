@@ -39,6 +39,7 @@ LAYER_OF = {
     "_logging": BASE,
     "_dist": BASE,
     "_checksum": BASE,
+    "_gc_pause": BASE,
     "_torch_compat": BASE,
     "utils": BASE,
     "storage": STORAGE,
