@@ -1,13 +1,13 @@
 """The stall benchmark's tables (resilient_ckpt.cli.bench.stall_report): the reference named
 for the state's device, a failed reference flow of torch's left out and said so, not a crash;
-and its CPU reference copy (``stall_flows._Memcpy``), by one thread or several."""
+and its CPU reference copy (``stall_refs.Memcpy``), by one thread or several."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from resilient_ckpt.cli.bench.stall_flows import _Memcpy
+from resilient_ckpt.cli.bench.stall_refs import Memcpy
 from resilient_ckpt.cli.bench.stall_report import record, report
 
 _FLOWS = ("memcpy", "ours DCP", "ours torch", "ours local", "dcp.async_save")
@@ -93,7 +93,7 @@ def test_the_parallel_copy_is_a_reference_row_only_where_it_used_several_threads
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
 def test_the_memcpy_reference_copies_every_byte_whatever_its_threads(threads: int) -> None:
     tensors = [torch.arange(n, dtype=torch.float32) + n for n in (5, 1, 0, 1000, 37)]
-    copy = _Memcpy(tensors, threads=threads)
+    copy = Memcpy(tensors, threads=threads)
     try:
         assert [sum(n for _, _, n in share) for share in copy.shares][:1] == [
             -(-4 * 1043 // threads)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import gc
 
 import pytest
@@ -10,12 +9,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resilient_ckpt._gc_pause import collector_paused
-from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+from resilient_ckpt.async_ckpt.core import AsyncCallsQueue
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
-from resilient_ckpt.async_ckpt.state_dict_saver import (
-    save_state_dict_async_finalize,
-    save_state_dict_async_plan,
-)
+from tests.fault._common import dcp_request
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -60,11 +56,7 @@ def test_dcp_finalize_gathers_and_commits_with_the_collector_paused(
     state = {f"w{i}": torch.full((4,), float(i)) for i in range(50)}
     queue = AsyncCallsQueue()
     try:
-        writer = FileSystemWriterAsync(str(tmp_path / "ckpt"))
-        ret = save_state_dict_async_plan(state, writer)
-        save_fn, preload_fn, args = writer.get_save_function_and_args()
-        finalize = functools.partial(save_state_dict_async_finalize, *ret)
-        queue.schedule_async_request(AsyncRequest(save_fn, args, [finalize], preload_fn=preload_fn))
+        queue.schedule_async_request(dcp_request(state, str(tmp_path / "ckpt")))
         queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
     finally:
         queue.close()

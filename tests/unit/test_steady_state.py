@@ -167,10 +167,13 @@ def test_device_copies_are_planned_once_and_reuse_the_arenas_typed_views(monkeyp
 
     collector = _staging.collect_descriptors(state, "state")[1]
     plan = _device_copy.plan_device_copies(
-        collector.tensors, collector.slot_of, [(0, s.nbytes) for s in collector.slots]
+        collector.tensors,
+        collector.slot_of,
+        [(0, s.nbytes) for s in collector.slots],
+        [s.host for s in collector.slots],
     )
     # In slot order (w, view/base, t, h): who fills each slot, and how.
-    filled = [(collector.tensors[e.source], e.whole) for e in plan]
+    filled = [(collector.tensors[e.source], e.whole) for e in plan.slots]
     assert [(t is state[k], whole) for (t, whole), k in zip(filled, "wbth", strict=True)] == [
         (True, True),
         (True, True),

@@ -206,10 +206,12 @@ def start_copy(
     keepalive: list[Any],
     device_copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     non_blocking: bool = False,
+    cuda_devices: Sequence[int] = (),
     shares: list[list[Segment]] | None = None,
     base: int = 0,
 ) -> CopyJob:
-    """Copy ``host`` ranges (and ``device_copies`` as ``(dst, src)`` tensors).
+    """Copy ``host`` ranges (and ``device_copies`` as ``(dst, src)`` tensors, reading the
+    CUDA devices ``cuda_devices``).
 
     Without ``overlap`` every byte is copied when this returns (the caller's thread takes a
     share); with it, the host ranges are only queued on the copy threads and the returned
@@ -218,13 +220,10 @@ def start_copy(
     """
     job = CopyJob(keepalive=keepalive if overlap else [])
     if device_copies:
-        cuda: set[int] = set()
         with torch.no_grad():
             for dst, src in device_copies:
                 dst.copy_(src, non_blocking=non_blocking)
-                if src.is_cuda:
-                    cuda.add(src.get_device())
-        job.cuda_devices = tuple(cuda)
+        job.cuda_devices = tuple(cuda_devices)
     if shares is None:
         shares = plan_shares(host, threads)
     if overlap:

@@ -43,6 +43,18 @@ def is_host(storage: torch.UntypedStorage) -> bool:
     return storage.device.type == "cpu"
 
 
+class DevicePlan(NamedTuple):
+    """A request's device copies: one entry per non-empty device slot, in slot order, and
+    the CUDA devices they read (each synchronized before the snapshot counts as taken). Its
+    identity keys the destinations an arena keeps for it."""
+
+    slots: tuple[DeviceSlot, ...] = ()
+    cuda: tuple[int, ...] = ()
+
+
+NO_DEVICE = DevicePlan()
+
+
 def storage_key(storage: torch.UntypedStorage) -> StorageKey:
     """How staging tells storages apart (device type, address, bytes)."""
     return (storage.device.type, storage.data_ptr(), storage.nbytes())
@@ -62,23 +74,24 @@ def plan_device_copies(
     tensors: Sequence[torch.Tensor],
     slot_of: Mapping[StorageKey, int],
     slots: Sequence[Slot],
-) -> tuple[DeviceSlot, ...]:
-    """One entry per non-empty device slot, in slot order; a tensor that is its storage's
+    host: Sequence[bool],
+) -> DevicePlan:
+    """The plan for ``tensors``, whose storages have the slots ``slot_of`` names (``host``:
+    per slot, whether it is copied as host memory instead); a tensor that is its storage's
     whole bytes is preferred over a view into it."""
     chosen: dict[int, DeviceSlot] = {}
     for index, tensor in enumerate(tensors):
-        storage = tensor.untyped_storage()
-        if is_host(storage):
-            continue
-        key = storage_key(storage)
+        key = storage_key(tensor.untyped_storage())
         slot = slot_of.get(key) if key[2] else None
-        if slot is None:  # empty, or pickled by value (no slot)
+        if slot is None or host[slot]:  # empty, pickled by value (no slot), or on the host
             continue
         whole = _is_whole(tensor, key[2])
         known = chosen.get(slot)
         if known is None or (whole and not known.whole):
             chosen[slot] = DeviceSlot(slots[slot][0], key[2], index, whole)
-    return tuple(chosen[slot] for slot in sorted(chosen))
+    entries = tuple(chosen[slot] for slot in sorted(chosen))
+    cuda = {tensors[e.source].get_device() for e in entries if tensors[e.source].is_cuda}
+    return DevicePlan(entries, tuple(sorted(cuda)))
 
 
 def _destination(arena: Arena, entry: DeviceSlot, tensor: torch.Tensor) -> torch.Tensor:
@@ -87,7 +100,7 @@ def _destination(arena: Arena, entry: DeviceSlot, tensor: torch.Tensor) -> torch
 
 
 def device_pairs(
-    plan: tuple[DeviceSlot, ...],
+    plan: DevicePlan,
     arena: Arena,
     tensors: Sequence[torch.Tensor],
     *,
@@ -98,15 +111,15 @@ def device_pairs(
     ``keep``: the plan is the staging cache's, reused save after save: the destinations are
     built once per arena and kept by it.
     """
-    if not plan:
+    if not plan.slots:
         return []
     views = arena.kept_views(plan) if keep else None
     if views is None:
-        views = [_destination(arena, entry, tensors[entry.source]) for entry in plan]
+        views = [_destination(arena, entry, tensors[entry.source]) for entry in plan.slots]
         if keep:
             arena.keep_views(plan, views)
     pairs = []
-    for entry, dst in zip(plan, views, strict=True):
+    for entry, dst in zip(plan.slots, views, strict=True):
         src = tensors[entry.source]
         if not entry.whole:
             raw = torch.empty(0, dtype=torch.uint8, device=src.device)

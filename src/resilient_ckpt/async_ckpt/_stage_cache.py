@@ -50,7 +50,7 @@ from .._logging import get_logger
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch
 from ._copy import CopyJob, Segment, plan_shares, start_copy
-from ._device_copy import DeviceSlot, device_pairs
+from ._device_copy import NO_DEVICE, DevicePlan, device_pairs
 from ._layout_check import LayoutCheck
 from ._messages import Slot
 
@@ -109,7 +109,7 @@ class StageCache:
         self._total = 0
         self._threads = 0
         self._shares: list[list[Segment]] = []
-        self._device: tuple[DeviceSlot, ...] = ()
+        self._device = NO_DEVICE
         self.hits = 0
         self.misses = 0
 
@@ -118,7 +118,7 @@ class StageCache:
         self._counts = []
         self._layout = None
         self._shares = []
-        self._device = ()
+        self._device = NO_DEVICE
 
     def remember(
         self,
@@ -128,7 +128,7 @@ class StageCache:
         reusable: bool,
         slots: tuple[Slot, ...],
         host: list[Segment],
-        device: tuple[DeviceSlot, ...],
+        device: DevicePlan,
         total: int,
         threads: int,
         *,
@@ -209,6 +209,7 @@ class StageCache:
                 keepalive=keepalive,
                 device_copies=device_pairs(self._device, arena, keepalive, keep=True),
                 non_blocking=arena.pinned,
+                cuda_devices=self._device.cuda,
                 shares=self._shares,
                 base=arena.address,
             )

@@ -55,7 +55,14 @@ from . import _device_copy
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch, TensorBatch
 from ._copy import CopyJob, start_copy
-from ._device_copy import DeviceSlot, StorageKey, device_pairs, plan_device_copies
+from ._device_copy import (
+    NO_DEVICE,
+    DevicePlan,
+    StorageKey,
+    device_pairs,
+    plan_device_copies,
+    storage_key,
+)
 from ._messages import Slot, SlotTable
 from ._placement import Placement, place
 from ._stage_cache import StageCache
@@ -68,6 +75,7 @@ logger = get_logger(__name__)
 class _PendingSlot:
     storage: torch.UntypedStorage
     nbytes: int
+    host: bool  # copied as host memory (memmove), else with copy_ (see _device_copy)
     offset: int = 0
 
 
@@ -109,12 +117,12 @@ class _Collector:
         """The arguments of ``rebuild_staged`` for ``obj`` (for ``obj.detach()`` if
         ``detached``), its storage given a slot."""
         storage = obj.untyped_storage()
-        nbytes = storage.nbytes()
-        key = (storage.device.type, storage.data_ptr(), nbytes)
+        key = storage_key(storage)
+        nbytes = key[2]
         slot = self.slot_of.get(key)
         if slot is None or nbytes == 0:
             slot = len(self.slots)
-            self.slots.append(_PendingSlot(storage, nbytes))
+            self.slots.append(_PendingSlot(storage, nbytes, _device_copy.is_host(storage)))
             self.slot_of[key] = slot
         return (
             slot,
@@ -222,12 +230,7 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
 def _layout(slots: list[_PendingSlot]) -> tuple[Placement, tuple[Slot, ...]]:
     """Place ``slots`` in an arena (see :mod:`._placement`), setting each one's offset;
     the placement and the slots' table for the worker."""
-    placement = place(
-        [
-            (p.storage.data_ptr() if _device_copy.is_host(p.storage) else None, p.nbytes)
-            for p in slots
-        ]
-    )
+    placement = place([(p.storage.data_ptr() if p.host else None, p.nbytes) for p in slots])
     for slot, offset in zip(slots, placement.offsets, strict=True):
         slot.offset = offset
     return placement, SlotTable(zip(placement.offsets, (p.nbytes for p in slots), strict=True))
@@ -237,7 +240,7 @@ def copy_into(
     arena: Arena,
     slots: list[_PendingSlot],
     placement: Placement,
-    device: tuple[DeviceSlot, ...],
+    device: DevicePlan,
     tensors: list[torch.Tensor],
     *,
     threads: int = 1,
@@ -251,9 +254,7 @@ def copy_into(
     """
     base = arena.address
     host = [(base + dst, src, n) for dst, src, n in placement.runs]
-    keepalive: list[Any] = [
-        s.storage for s in slots if s.nbytes and _device_copy.is_host(s.storage)
-    ]
+    keepalive: list[Any] = [s.storage for s in slots if s.nbytes and s.host]
     return start_copy(
         host,
         threads=threads,
@@ -261,6 +262,7 @@ def copy_into(
         keepalive=keepalive,
         device_copies=device_pairs(device, arena, tensors),
         non_blocking=arena.pinned,
+        cuda_devices=device.cuda,
     )
 
 
@@ -317,10 +319,11 @@ def stage(
     return StagedRequest(payload, arena, slots, total, job if overlap else None)
 
 
-def _device_plan(collector: _Collector, slots: tuple[Slot, ...]) -> tuple[DeviceSlot, ...]:
-    if all(map(_device_copy.is_host, (s.storage for s in collector.slots))):
-        return ()
-    return plan_device_copies(collector.tensors, collector.slot_of, slots)
+def _device_plan(collector: _Collector, slots: tuple[Slot, ...]) -> DevicePlan:
+    host = [s.host for s in collector.slots]
+    if all(host):
+        return NO_DEVICE
+    return plan_device_copies(collector.tensors, collector.slot_of, slots, host)
 
 
 def _remember(
@@ -328,7 +331,7 @@ def _remember(
     collector: _Collector,
     slots: tuple[Slot, ...],
     placement: Placement,
-    device: tuple[DeviceSlot, ...],
+    device: DevicePlan,
     threads: int,
     *,
     counted: bool = True,
