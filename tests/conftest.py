@@ -31,14 +31,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-@pytest.fixture
-def background_staging() -> None:
-    """Skip, when the test runs, where overlapped staging cannot take its background form:
-    CUDA is initialised in this process (on a GPU machine an earlier test of the same process
-    may have done it, which a collection-time ``skipif`` cannot see)."""
-    from resilient_ckpt.async_ckpt._snapshot import stages_in_background
-
-    if not stages_in_background():
-        pytest.skip("CUDA is initialised in this process: overlapped staging runs inline")

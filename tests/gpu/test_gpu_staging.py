@@ -82,3 +82,32 @@ def test_steady_saves_of_cuda_state_each_hold_the_values_of_their_call(tmp_path,
         assert (cache.hits, cache.misses) == (3, 2)
     finally:
         ckpt.close()
+
+
+def test_overlapped_staging_orders_its_copies_after_the_call_only(tmp_path) -> None:
+    """Overlapped staging copies CUDA tensors on a side stream, from the staging thread:
+    the copies wait for the kernels queued before the call (the value written after a long
+    kernel is the one saved) and the wait does not wait for kernels queued after it (the
+    trainer's stream is still busy when the snapshot is complete)."""
+    ckpt = TorchAsyncCheckpoint()
+    w = torch.zeros(1 << 22, device="cuda")
+    state = {"w": w, "b": torch.randn(300, 7, device="cuda").t()}
+    stream = torch.cuda.current_stream()
+    try:
+        for n in range(3):
+            expected_b = state["b"].cpu()  # (synchronizes: before the long kernel)
+            torch.cuda._sleep(50_000_000)  # keeps the trainer's stream busy before the call
+            w.fill_(n + 1)
+            ckpt.async_save(state, tmp_path / f"{n}.pt", overlap_staging=True)
+            torch.cuda._sleep(2_000_000_000)  # about a second of work queued after the call
+            ckpt.wait_for_snapshot()
+            assert not stream.query(), "the snapshot waited for work queued after the call"
+            w.fill_(-1)
+            state["b"].add_(1)
+            ckpt.finalize_async_save(blocking=True)
+            loaded = torch.load(tmp_path / f"{n}.pt", map_location="cpu")
+            assert torch.equal(loaded["w"], torch.full((1 << 22,), float(n + 1))), n
+            assert torch.equal(loaded["b"], expected_b), n
+        torch.cuda.synchronize()
+    finally:
+        ckpt.close()

@@ -74,7 +74,6 @@ def test_a_custom_planner_resolves_at_once(tmp_path) -> None:
     assert all(b._resolver is None and len(b) for b in _tensor_data(writer))
 
 
-@pytest.mark.usefixtures("background_staging")
 def test_overlapped_staging_resolves_on_the_staging_thread(tmp_path, monkeypatch) -> None:
     threads: list[str] = []
 

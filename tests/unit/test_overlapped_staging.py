@@ -1,4 +1,4 @@
-"""Overlapped staging in a CPU-only process (issue 13): the whole staging runs on a
+"""Overlapped staging (issue 13): the whole staging runs on a
 background thread, so the call returns at once; a staging that fails is reported by the
 explicit wait and, like a worker's failure, by finalizing the call, never lost or hung."""
 
@@ -12,10 +12,7 @@ import torch
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.errors import CheckpointingException, InvalidRequestError
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.usefixtures("background_staging"),
-]
+pytestmark = pytest.mark.timeout(120)
 
 
 def _save(path: str, state: dict) -> None:

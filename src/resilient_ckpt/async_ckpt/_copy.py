@@ -5,20 +5,20 @@ Decisions:
 * **memmove, not ``copy_``.** Every staged CPU storage is one contiguous byte range, so the
   copy is a ``memmove`` into its slot. ``ctypes.memmove`` costs about a microsecond per
   call (``Tensor.copy_`` several), and, being a foreign call, releases the GIL: copy threads
-  run truly in parallel, and in overlapped mode in parallel with the training step.
+  run truly in parallel, and in overlapped staging in parallel with the training step.
 * **Neighbours copied as one range.** The arena mirrors host storages that lie close in
   memory (:mod:`._placement`), so a run of consecutive allocations is one ``memmove``, the
   allocator's headers between them included; ranges still back to back both in memory and
   in the arena are merged here.
 * **Large states split over threads.** Above ``PARALLEL_MIN_BYTES`` the byte ranges are cut
   into ``threads`` shares of equal bytes (a large storage is split inside), one per thread of
-  a persistent pool; the calling thread copies one share itself (none in overlapped mode).
+  a persistent pool; the calling thread copies one share itself.
   A single thread rarely saturates memory bandwidth; several do. The default thread count is
   ``min(4, cores of this process / local ranks)`` (``RESILIENT_CKPT_COPY_THREADS``
   overrides it), so ranks sharing a node do not oversubscribe it.
-* **Device storages** (CUDA) keep ``Tensor.copy_`` into the pinned arena, issued from the
-  calling thread (what fills which slot: :mod:`._device_copy`), then a synchronize of each
-  device read before the snapshot counts as taken.
+* **Device storages** (CUDA) keep ``Tensor.copy_`` into the pinned arena (what fills which
+  slot, and on which stream: :mod:`._device_copy`), waited for before the snapshot counts
+  as taken.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ import ctypes
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .._logging import get_logger
 from ..errors import ConfigurationError, StagingError
+from ._device_copy import CopyPair, DeviceOrder
 
 logger = get_logger(__name__)
 
@@ -162,80 +161,56 @@ def warm_threads(threads: int) -> None:
         _POOL.get(threads)
 
 
-@dataclass
-class CopyJob:
-    """A copy in progress. ``wait()`` returns once every byte is in the arena, or raises.
-
-    ``keepalive`` holds the source storages until then (in overlapped mode the caller's
-    tensors may otherwise be freed while their bytes are still being read).
-    """
-
-    futures: list[Future] = field(default_factory=list)
-    keepalive: list[Any] = field(default_factory=list)
-    cuda_devices: tuple[int, ...] = ()  # read from: synchronized before the copy counts as done
-    _done: bool = False
-
-    def done(self) -> bool:
-        return self._done or all(f.done() for f in self.futures)
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self._done:
-            return
-        errors = []
-        for future in self.futures:
-            try:
-                future.result(timeout)
-            except TimeoutError:
-                raise
-            except BaseException as exc:
-                errors.append(exc)
-        for device in self.cuda_devices:
-            torch.cuda.synchronize(device)
-        self._done = True
-        self.futures = []
-        self.keepalive = []
-        if errors:
-            raise StagingError(f"copying the snapshot into shared memory failed: {errors[0]!r}")
-
-
-def start_copy(
+def copy_all(
     host: Sequence[Segment],
     *,
     threads: int,
-    overlap: bool,
-    keepalive: list[Any],
-    device_copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    device_copies: Sequence[CopyPair] = (),
     non_blocking: bool = False,
     cuda_devices: Sequence[int] = (),
+    order: DeviceOrder | None = None,
     shares: list[list[Segment]] | None = None,
     base: int = 0,
-) -> CopyJob:
-    """Copy ``host`` ranges (and ``device_copies`` as ``(dst, src)`` tensors, reading the
-    CUDA devices ``cuda_devices``).
+) -> None:
+    """Copy ``host`` ranges and ``device_copies`` (reading the CUDA devices
+    ``cuda_devices``); every byte is in the arena when this returns.
 
-    Without ``overlap`` every byte is copied when this returns (the caller's thread takes a
-    share); with it, the host ranges are only queued on the copy threads and the returned
-    job must be waited for before the sources change. ``shares`` (from :func:`plan_shares`,
-    destinations relative to ``base``) replaces ``host`` when the plan is already known.
+    The calling thread takes one share of the host ranges, the pool the others. Device
+    copies are issued first, so they run while the host ranges are copied: on the calling
+    thread's current streams (then each device read is synchronized), or, with ``order``
+    (a background staging, see :class:`._device_copy.DeviceOrder`), on side streams after
+    the save call's events. ``shares`` (from :func:`plan_shares`, destinations relative to
+    ``base``) replaces ``host`` when the plan is already known.
     """
-    job = CopyJob(keepalive=keepalive if overlap else [])
+    streams: list[torch.cuda.Stream] = []
     if device_copies:
-        with torch.no_grad():
-            for dst, src in device_copies:
-                dst.copy_(src, non_blocking=non_blocking)
-        job.cuda_devices = tuple(cuda_devices)
+        if order is not None:
+            streams = order.copy(device_copies, non_blocking)
+        else:
+            with torch.no_grad():
+                for dst, src in device_copies:
+                    dst.copy_(src, non_blocking=non_blocking)
     if shares is None:
         shares = plan_shares(host, threads)
-    if overlap:
-        if shares and shares[0]:
-            pool = _POOL.get(max(1, len(shares)))
-            job.futures = [pool.submit(copy_segments, share, base) for share in shares]
-        return job
+    futures = []
     if len(shares) > 1:
         pool = _POOL.get(len(shares) - 1)
-        job.futures = [pool.submit(copy_segments, share, base) for share in shares[1:]]
+        futures = [pool.submit(copy_segments, share, base) for share in shares[1:]]
+    errors: list[BaseException] = []
     try:
         copy_segments(shares[0] if shares else [], base)
-    finally:
-        job.wait()
-    return job
+    except BaseException as exc:
+        errors.append(exc)
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as exc:
+            errors.append(exc)
+    if device_copies:
+        for stream in streams:
+            stream.synchronize()
+        if order is None:
+            for device in cuda_devices:
+                torch.cuda.synchronize(device)
+    if errors:
+        raise StagingError(f"copying the snapshot into shared memory failed: {errors[0]!r}")

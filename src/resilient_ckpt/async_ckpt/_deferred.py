@@ -5,8 +5,8 @@ almost always "the cached plan still holds": a walk over the state (~1 us a tens
 cache-cold after a training step) and an all-gather of a few integers (latency, ~0.5 ms on a
 loaded node). With ``defer_planning=True`` (opt-in, every rank alike) that decision, and the
 payload it leads to, move out of the call into the staging of the request: in overlapped
-staging (``schedule_async_request(..., overlap_staging=True)``, a process without CUDA)
-that is the background staging thread, so the save call returns after building a few
+staging (``schedule_async_request(..., overlap_staging=True)``) that is the background
+staging thread, so the save call returns after building a few
 objects. Two flows offer it:
 
 * async DCP, ``save_state_dict_async_plan(..., enable_cache=True, defer_planning=True)``:

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from multiprocessing.connection import wait
 from typing import Any
 
+import torch
+
 from .._logging import get_logger
 from ..config import Timeouts, WorkerOptions
 from ..errors import (
@@ -28,22 +30,28 @@ from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
 from ._copy import check_copy_threads, warm_threads
 from ._deferred import resolve_deferred
+from ._device_copy import DeviceOrder
 from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
-from ._snapshot import PendingSnapshot, stages_in_background
+from ._snapshot import PendingSnapshot
 from ._stage_cache import StageCache
 from ._staging import StagedRequest, prime, stage
 
 logger = get_logger(__name__)
 
 
-def _complete_and_stage(request: tuple, *args: Any, **kwargs: Any) -> StagedRequest:
+def _complete_and_stage(
+    request: tuple, *args: Any, order: DeviceOrder | None = None, **kwargs: Any
+) -> StagedRequest:
     """Stage ``(async_fn, args, kwargs, preload_fn)`` after completing its deferred
     arguments (a save planned at staging, see :mod:`._deferred`): here, so that
-    in overlapped staging that work runs on the staging thread too."""
+    in overlapped staging that work runs on the staging thread too (``order``: that
+    thread's place in the save call's CUDA streams)."""
+    if order is not None:
+        order.adopt()
     resolve_deferred(request[1])
-    return stage(request, *args, **kwargs)
+    return stage(request, *args, order=order, **kwargs)
 
 
 def _no_wait() -> bool:
@@ -115,26 +123,23 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
             wait_for_release=self._wait_for_release,
             what=f"async request {call_idx}",
             threads=self.copy_threads,
-            overlap=overlap_staging,
             cache=self.stage_cache,
         )
-        if overlap_staging and stages_in_background():
+        if overlap_staging:
             self._reserve_arena_room()
             # In the background nothing may wait for an arena (see _snapshot): there is room.
-            background = functools.partial(stage_request, wait_for_release=_no_wait, overlap=False)
+            order = DeviceOrder() if torch.cuda.is_initialized() else None
+            background = functools.partial(stage_request, wait_for_release=_no_wait, order=order)
             self._inflight[call_idx] = None
             self._unfinalized.append(call_idx)
             self.timings[call_idx] = {"stage": 0.0, "bytes": 0.0}
-            self._snapshot = PendingSnapshot(call_idx, stage=background)
+            self._snapshot = PendingSnapshot(call_idx, background)
             return
         staged = stage_request()
         stage_s = time.perf_counter() - started
         self._inflight[call_idx] = staged.arena.arena_id if staged.arena is not None else None
         self._unfinalized.append(call_idx)
         self.timings[call_idx] = {"stage": stage_s, "bytes": float(staged.nbytes)}
-        if staged.copy is not None:
-            self._snapshot = PendingSnapshot(call_idx, staged=staged)
-            return
         self._submit(call_idx, staged)
         logger.debug("staged async request %d: %d bytes in %.4fs", call_idx, staged.nbytes, stage_s)
 
@@ -169,10 +174,10 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
             pending.abandon(self._pool.release)
             raise
         timings = self.timings[call_idx]
-        timings["snapshot_wait"] = time.perf_counter() - started
-        if staging_s is not None:
-            timings.update(stage=staging_s, bytes=float(staged.nbytes))
-            self._inflight[call_idx] = staged.arena.arena_id if staged.arena is not None else None
+        timings.update(
+            snapshot_wait=time.perf_counter() - started, stage=staging_s, bytes=float(staged.nbytes)
+        )
+        self._inflight[call_idx] = staged.arena.arena_id if staged.arena is not None else None
         self._submit(call_idx, staged)
 
     def _settle_snapshot(self) -> None:

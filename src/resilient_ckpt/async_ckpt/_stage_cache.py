@@ -49,8 +49,8 @@ import torch
 from .._logging import get_logger
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch
-from ._copy import CopyJob, Segment, plan_shares, start_copy
-from ._device_copy import NO_DEVICE, DevicePlan, device_pairs
+from ._copy import Segment, copy_all, plan_shares
+from ._device_copy import NO_DEVICE, DeviceOrder, DevicePlan, device_pairs
 from ._layout_check import LayoutCheck
 from ._messages import Slot
 
@@ -194,26 +194,25 @@ class StageCache:
         self,
         pool: ArenaPool,
         wait_for_release: Callable[[], bool],
-        keepalive: list[Any],
+        tensors: list[torch.Tensor],
         *,
-        overlap: bool,
-    ) -> tuple[Arena, CopyJob]:
-        """Acquire an arena and copy with the cached plan (see ``start_copy``);
-        ``keepalive``: the request's tensors, in the order the plan indexes them."""
+        order: DeviceOrder | None = None,
+    ) -> Arena:
+        """Acquire an arena and copy into it with the cached plan (see ``copy_all``);
+        ``tensors``: the request's, in the order the plan indexes them."""
         arena = pool.acquire(self._total, wait_for_release)
         try:
-            job = start_copy(
+            copy_all(
                 (),
                 threads=self._threads,
-                overlap=overlap,
-                keepalive=keepalive,
-                device_copies=device_pairs(self._device, arena, keepalive, keep=True),
+                device_copies=device_pairs(self._device, arena, tensors, keep=True),
                 non_blocking=arena.pinned,
                 cuda_devices=self._device.cuda,
+                order=order,
                 shares=self._shares,
                 base=arena.address,
             )
         except BaseException:
             pool.release(arena.arena_id)
             raise
-        return arena, job
+        return arena

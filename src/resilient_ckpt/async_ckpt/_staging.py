@@ -15,10 +15,9 @@ DCP write item). Tensors are grouped by *storage*, so views and tied weights sta
 exactly as ``torch.save`` would see them. The slots are laid out in the arena
 (:mod:`._placement`: host storages near each other in memory keep their relative places)
 and filled by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for CUDA),
-synchronously or, in overlapped mode, in the background until ``wait_for_snapshot``
-(where, in a CPU-only process, the whole of :func:`stage` runs on a background thread:
-:mod:`._snapshot`). In the worker, unpickling rebuilds each descriptor as a tensor whose
-storage is exactly its slot (:mod:`._unstaging`).
+in the save call or, in overlapped mode, with the whole of :func:`stage` on a background
+thread until ``wait_for_snapshot`` (:mod:`._snapshot`). In the worker, unpickling rebuilds
+each descriptor as a tensor whose storage is exactly its slot (:mod:`._unstaging`).
 
 Alternatives rejected:
 
@@ -54,9 +53,10 @@ from ..errors import CheckpointingException, InvalidRequestError
 from . import _device_copy
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch, TensorBatch
-from ._copy import CopyJob, start_copy
+from ._copy import copy_all
 from ._device_copy import (
     NO_DEVICE,
+    DeviceOrder,
     DevicePlan,
     StorageKey,
     device_pairs,
@@ -188,17 +188,12 @@ def _dispatch_table(collector: Any) -> dict[type, Any]:
 
 @dataclass
 class StagedRequest:
-    """A pickled request and where its tensors' bytes are (or are being) copied.
-
-    ``copy`` is ``None`` once every byte is in the arena; in overlapped mode it is the copy
-    still running, and the request must not be submitted before ``copy.wait()``.
-    """
+    """A pickled request and the arena its tensors' bytes were copied into."""
 
     payload: bytes
     arena: Arena | None
     slots: tuple[Slot, ...]
     nbytes: int
-    copy: CopyJob | None = None
 
 
 def dump_with(obj: Any, reducer_owner: Any) -> bytes:
@@ -244,25 +239,23 @@ def copy_into(
     tensors: list[torch.Tensor],
     *,
     threads: int = 1,
-    overlap: bool = False,
-) -> CopyJob:
+    order: DeviceOrder | None = None,
+) -> None:
     """Copy each pending storage into its arena slot (the only trainer-side data copy).
 
-    Host storages are copied by :func:`._copy.start_copy` as the placement's runs (memmove,
-    ``threads`` threads); device storages with ``copy_`` as ``device`` plans (see
-    :mod:`._device_copy`). See there for ``overlap``.
+    Host storages are copied by :func:`._copy.copy_all` as the placement's runs (memmove,
+    ``threads`` threads); device storages with ``copy_`` as ``device`` plans, after
+    ``order`` where given (see :mod:`._device_copy`).
     """
     base = arena.address
     host = [(base + dst, src, n) for dst, src, n in placement.runs]
-    keepalive: list[Any] = [s.storage for s in slots if s.nbytes and s.host]
-    return start_copy(
+    copy_all(
         host,
         threads=threads,
-        overlap=overlap,
-        keepalive=keepalive,
         device_copies=device_pairs(device, arena, tensors),
         non_blocking=arena.pinned,
         cuda_devices=device.cuda,
+        order=order,
     )
 
 
@@ -273,12 +266,13 @@ def stage(
     what: str = "the async request",
     *,
     threads: int = 1,
-    overlap: bool = False,
     cache: StageCache | None = None,
+    order: DeviceOrder | None = None,
 ) -> StagedRequest:
     """Pickle ``obj`` and copy its tensors into an arena from ``pool``.
 
-    With ``overlap`` the copy may still be running when this returns (``StagedRequest.copy``).
+    ``order``: the save call's place in the CUDA streams, when this runs on the staging
+    thread (overlapped staging, see :mod:`._device_copy`).
     With ``cache``, a request laid out like the previous one reuses its descriptors and copy
     plan (:mod:`._stage_cache`); otherwise it is staged fully and the cache rebuilt.
     """
@@ -288,8 +282,8 @@ def stage(
             payload, tensors = guessed
             if not cache.slots:
                 return StagedRequest(payload, None, (), 0)
-            arena, job = cache.copy(pool, wait_for_release, tensors, overlap=overlap)
-            return StagedRequest(payload, arena, cache.slots, cache.total, job if overlap else None)
+            arena = cache.copy(pool, wait_for_release, tensors, order=order)
+            return StagedRequest(payload, arena, cache.slots, cache.total)
     payload, collector = collect_descriptors(obj, what)
     placement, slots = _layout(collector.slots)
     total = placement.total
@@ -300,23 +294,23 @@ def stage(
         return StagedRequest(payload, None, (), 0)
     if cache is not None and cache.planned_for(slots):
         # Copy with the plan just cached, not a second coalesce/split.
-        arena, job = cache.copy(pool, wait_for_release, collector.tensors, overlap=overlap)
+        arena = cache.copy(pool, wait_for_release, collector.tensors, order=order)
     else:
         arena = pool.acquire(total, wait_for_release)
         try:
-            job = copy_into(
+            copy_into(
                 arena,
                 collector.slots,
                 placement,
                 device,
                 collector.tensors,
                 threads=threads,
-                overlap=overlap,
+                order=order,
             )
         except BaseException:
             pool.release(arena.arena_id)
             raise
-    return StagedRequest(payload, arena, slots, total, job if overlap else None)
+    return StagedRequest(payload, arena, slots, total)
 
 
 def _device_plan(collector: _Collector, slots: tuple[Slot, ...]) -> DevicePlan:

@@ -168,9 +168,11 @@ class AsyncCallsQueue:
         """Snapshot and start ``async_request``; returns its call index. All ranks call this.
 
         ``overlap_staging=True`` (persistent queues) returns before the tensors are copied:
-        the copy runs on background threads while training goes on, and
-        :meth:`wait_for_snapshot` must be called before anything modifies the saved tensors
-        (e.g. before ``optimizer.step()``). Any later call on this queue waits for it too.
+        the staging (pickling the request, the copy; CUDA tensors on a side stream ordered
+        after the call) runs on a background thread while training goes on, and
+        :meth:`wait_for_snapshot` must be called before anything modifies the request's
+        tensors or objects (e.g. before ``optimizer.step()``). Any later call on this queue
+        waits for it too.
         """
         request = validate_request(async_request)
         caller = self._get_async_caller()
