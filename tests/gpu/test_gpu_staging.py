@@ -94,6 +94,10 @@ def test_overlapped_staging_orders_its_copies_after_the_call_only(tmp_path) -> N
     state = {"w": w, "b": torch.randn(300, 7, device="cuda").t()}
     stream = torch.cuda.current_stream()
     try:
+        # A first save starts the worker (which the first wait for a snapshot waits for) and
+        # makes the pinned arena: the checks below are of steady saves.
+        ckpt.async_save(state, tmp_path / "warm.pt")
+        ckpt.finalize_async_save(blocking=True)
         for n in range(3):
             expected_b = state["b"].cpu()  # (synchronizes: before the long kernel)
             torch.cuda._sleep(50_000_000)  # keeps the trainer's stream busy before the call

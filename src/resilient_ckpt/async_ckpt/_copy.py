@@ -33,7 +33,7 @@ import torch
 
 from .._logging import get_logger
 from ..errors import ConfigurationError, StagingError
-from ._device_copy import CopyPair, DeviceOrder
+from ._device_copy import CopyPair, DeviceOrder, make_side_streams
 
 logger = get_logger(__name__)
 
@@ -212,5 +212,6 @@ def copy_all(
         if order is None:
             for device in cuda_devices:
                 torch.cuda.synchronize(device)
+            make_side_streams(cuda_devices)  # for overlapped saves, made while idle
     if errors:
         raise StagingError(f"copying the snapshot into shared memory failed: {errors[0]!r}")

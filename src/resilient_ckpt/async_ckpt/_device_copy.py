@@ -151,6 +151,18 @@ def _side_stream(device: int) -> torch.cuda.Stream:
         return stream
 
 
+def make_side_streams(devices: Sequence[int]) -> None:
+    """Create the side streams of ``devices`` now, where the caller waits for them anyway.
+
+    The first stream made on a device waits for all the work queued there (measured on an
+    H200: a staging thread making it waited for the training step queued after the call,
+    560 ms, where steady overlapped saves waited 51 ms). So they are made by the warm-up and
+    by every save that synchronizes the devices it read, not by an overlapped save.
+    """
+    for device in devices:
+        _side_stream(device)
+
+
 def _devices_in_use() -> list[int]:
     """The CUDA devices this process has a context on (the current one at least)."""
     current = torch.cuda.current_device()

@@ -30,7 +30,7 @@ from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
 from ._copy import check_copy_threads, warm_threads
 from ._deferred import resolve_deferred
-from ._device_copy import DeviceOrder
+from ._device_copy import DeviceOrder, make_side_streams
 from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
@@ -235,6 +235,8 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
         self._settle_snapshot()
         self.start(wait_ready=False)
         warm_threads(self.copy_threads)
+        if torch.cuda.is_initialized():
+            make_side_streams([torch.cuda.current_device()])
         size = 0
         if state is not None:
             size = prime(state, self.stage_cache, self.copy_threads)
