@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import filecmp
+import importlib.util
 import os
 import pickle
 import time
@@ -120,7 +121,8 @@ def _async_equals_sync(rank: int, world: int, root: str, queues: dict) -> None:
     with torch_serial_layout():
         dcp.save(state, storage_writer=FileSystemWriter(sync_dir), planner=DefaultSavePlanner())
     cases = [("daemon", False, False), ("plain", True, False), ("plain", False, False)]
-    cases.append(("daemon", False, True))  # use_msc=True with a plain path
+    if importlib.util.find_spec("multistorageclient") is not None:  # the msc extra
+        cases.append(("daemon", False, True))  # use_msc=True with a plain path
     for k, (queue_name, multiproc, use_msc) in enumerate(cases):
         path = _fresh(root, f"async_{k}")
         _schedule(queues[queue_name], path, state, is_multiproc_io=multiproc, use_msc=use_msc)
