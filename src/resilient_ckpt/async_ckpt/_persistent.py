@@ -238,8 +238,9 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
         if torch.cuda.is_initialized():
             make_side_streams([torch.cuda.current_device()])
         size = 0
+        tensors: list[torch.Tensor] = []
         if state is not None:
-            size = prime(state, self.stage_cache, self.copy_threads)
+            size, tensors = prime(state, self.stage_cache, self.copy_threads)
         if nbytes is not None:
             size = nbytes
         self._handshake()
@@ -247,6 +248,7 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
             return
         arena = self._pool.acquire(size, self._wait_for_release)
         try:
+            self.stage_cache.prepare(arena, tensors)
             if self._channel is not None:
                 self._attach(self._channel, arena)
         finally:

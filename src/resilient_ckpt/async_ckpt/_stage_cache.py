@@ -50,7 +50,7 @@ from .._logging import get_logger
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch
 from ._copy import Segment, copy_all, plan_shares
-from ._device_copy import NO_DEVICE, DeviceOrder, DevicePlan, device_pairs
+from ._device_copy import NO_DEVICE, DeviceOrder, DevicePlan, destinations, device_pairs
 from ._layout_check import LayoutCheck
 from ._messages import Slot
 
@@ -189,6 +189,18 @@ class StageCache:
     @property
     def total(self) -> int:
         return self._total
+
+    def prepare(self, arena: Arena, tensors: list[torch.Tensor]) -> None:
+        """Build in ``arena`` now what a save with the cached plan would build on first use
+        of it (the device copies' typed views): the warm-up's part of the first save.
+        ``tensors``: those the cache was filled from, in its order."""
+        if (
+            tensors
+            and self._reduced is not None
+            and self._device.slots
+            and arena.nbytes >= self._total
+        ):
+            destinations(self._device, arena, tensors, keep=True)
 
     def copy(
         self,

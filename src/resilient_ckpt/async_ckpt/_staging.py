@@ -344,9 +344,11 @@ def _remember(
     )
 
 
-def prime(obj: Any, cache: StageCache, threads: int, what: str = "the warm-up state") -> int:
+def prime(
+    obj: Any, cache: StageCache, threads: int, what: str = "the warm-up state"
+) -> tuple[int, list[torch.Tensor]]:
     """Fill ``cache`` as a full staging of ``obj`` would, copying nothing; the arena bytes
-    ``obj`` needs.
+    ``obj`` needs and its tensors in the cache's order (for :meth:`StageCache.prepare`).
 
     A later request that meets the same tensors, laid out alike and in the same order (e.g.
     the warm-up state inside the request that saves it), is then staged by the fast path
@@ -356,4 +358,4 @@ def prime(obj: Any, cache: StageCache, threads: int, what: str = "the warm-up st
     placement, slots = _layout(collector.slots)
     device = _device_plan(collector, slots)
     _remember(cache, collector, slots, placement, device, threads, counted=False)
-    return placement.total
+    return placement.total, collector.tensors
