@@ -72,6 +72,33 @@ def test_pool_bounded_when_all_busy() -> None:
     pool.close()
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_failed_device_copy_is_a_staging_error_and_gives_the_arena_back(
+    cached, monkeypatch
+) -> None:
+    """A ``copy_`` that fails (the copy_ path, on CPU, through the is_host seam) is reported
+    as ours, and the arena goes back to the pool (nothing issued still writes into it)."""
+    from resilient_ckpt.async_ckpt import _stage_cache, _staging
+    from resilient_ckpt.async_ckpt._stage_cache import StageCache
+    from resilient_ckpt.errors import StagingError
+
+    monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
+    pool, cache = ArenaPool(1), StageCache()
+    state = {"w": torch.randn(64), "b": torch.randn(8)}
+    if cached:  # a first save fills the cache; the second copies with its plan
+        pool.release(stage(state, pool, _never, cache=cache).arena.arena_id)
+    module = _stage_cache if cached else _staging
+
+    def broken(*args, **kwargs):
+        return [(torch.empty(1), torch.empty(3))]  # sizes that cannot be copied
+
+    monkeypatch.setattr(module, "device_pairs", broken)
+    with pytest.raises(StagingError, match="device tensors"):
+        stage(state, pool, _never, cache=cache if cached else None)
+    assert not pool.busy and len(pool.free) == 1
+    pool.close()
+
+
 def test_unpicklable_argument_is_a_named_error() -> None:
     pool = ArenaPool(1)
     with pytest.raises(InvalidRequestError, match="cannot be sent to the background worker"):

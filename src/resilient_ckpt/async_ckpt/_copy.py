@@ -161,6 +161,20 @@ def warm_threads(threads: int) -> None:
         _POOL.get(threads)
 
 
+def _issue(pairs: Sequence[CopyPair], non_blocking: bool, cuda_devices: Sequence[int]) -> None:
+    """``copy_`` each pair on the current streams. If one fails, the copies already issued
+    are waited for before it raises: the caller then gives the arena back, and nothing may
+    still write into it."""
+    try:
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=non_blocking)
+    except BaseException:
+        for device in cuda_devices:
+            torch.cuda.synchronize(device)
+        raise
+
+
 def copy_all(
     host: Sequence[Segment],
     *,
@@ -184,12 +198,15 @@ def copy_all(
     """
     streams: list[torch.cuda.Stream] = []
     if device_copies:
-        if order is not None:
-            streams = order.copy(device_copies, non_blocking)
-        else:
-            with torch.no_grad():
-                for dst, src in device_copies:
-                    dst.copy_(src, non_blocking=non_blocking)
+        try:
+            if order is not None:
+                streams = order.copy(device_copies, non_blocking)
+            else:
+                _issue(device_copies, non_blocking, cuda_devices)
+        except Exception as exc:
+            raise StagingError(
+                f"copying the snapshot's device tensors into shared memory failed: {exc!r}"
+            ) from exc
     if shares is None:
         shares = plan_shares(host, threads)
     futures = []

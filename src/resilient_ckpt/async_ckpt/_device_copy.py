@@ -198,25 +198,32 @@ class DeviceOrder:
         torch.cuda.set_device(self.device)
 
     def copy(self, pairs: Sequence[CopyPair], non_blocking: bool) -> list[torch.cuda.Stream]:
-        """Issue ``pairs`` after the recorded events; the side streams to synchronize."""
+        """Issue ``pairs`` after the recorded events; the side streams to synchronize.
+        If issuing fails, the copies already issued are waited for before it raises: the
+        caller then gives the arena back, and nothing may still write into it."""
         by_device: dict[int, list[CopyPair]] = {}
         for pair in pairs:
             by_device.setdefault(pair[1].get_device() if pair[1].is_cuda else -1, []).append(pair)
-        streams = []
-        with torch.no_grad():
-            for device, group in by_device.items():
-                if device < 0:  # another device type: copied synchronously, in order
-                    for dst, src in group:
-                        dst.copy_(src)
-                    continue
-                stream = _side_stream(device)
-                event = self._events.get(device)
-                if event is None:  # not in use at the call: wait for all its queued work
-                    torch.cuda.synchronize(device)
-                else:
-                    stream.wait_event(event)
-                with torch.cuda.stream(stream):
-                    for dst, src in group:
-                        dst.copy_(src, non_blocking=non_blocking)
-                streams.append(stream)
+        streams: list[torch.cuda.Stream] = []
+        try:
+            with torch.no_grad():
+                for device, group in by_device.items():
+                    if device < 0:  # another device type: copied synchronously, in order
+                        for dst, src in group:
+                            dst.copy_(src)
+                        continue
+                    stream = _side_stream(device)
+                    event = self._events.get(device)
+                    if event is None:  # not in use at the call: wait for its queued work
+                        torch.cuda.synchronize(device)
+                    else:
+                        stream.wait_event(event)
+                    streams.append(stream)
+                    with torch.cuda.stream(stream):
+                        for dst, src in group:
+                            dst.copy_(src, non_blocking=non_blocking)
+        except BaseException:
+            for stream in streams:
+                stream.synchronize()
+            raise
         return streams
