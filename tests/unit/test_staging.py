@@ -78,7 +78,6 @@ def test_a_failed_device_copy_is_a_staging_error_and_gives_the_arena_back(
 ) -> None:
     """A ``copy_`` that fails (the copy_ path, on CPU, through the is_host seam) is reported
     as ours, and the arena goes back to the pool (nothing issued still writes into it)."""
-    from resilient_ckpt.async_ckpt import _stage_cache, _staging
     from resilient_ckpt.async_ckpt._stage_cache import StageCache
     from resilient_ckpt.errors import StagingError
 
@@ -87,12 +86,11 @@ def test_a_failed_device_copy_is_a_staging_error_and_gives_the_arena_back(
     state = {"w": torch.randn(64), "b": torch.randn(8)}
     if cached:  # a first save fills the cache; the second copies with its plan
         pool.release(stage(state, pool, _never, cache=cache).arena.arena_id)
-    module = _stage_cache if cached else _staging
 
     def broken(*args, **kwargs):
         return [(torch.empty(1), torch.empty(3))]  # sizes that cannot be copied
 
-    monkeypatch.setattr(module, "device_pairs", broken)
+    monkeypatch.setattr(_device_copy, "device_pairs", broken)
     with pytest.raises(StagingError, match="device tensors"):
         stage(state, pool, _never, cache=cache if cached else None)
     assert not pool.busy and len(pool.free) == 1

@@ -26,14 +26,11 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
 
 from .._logging import get_logger
 from ..errors import ConfigurationError, StagingError
-from ._device_copy import CopyPair, DeviceOrder, make_side_streams
 
 logger = get_logger(__name__)
 
@@ -161,52 +158,22 @@ def warm_threads(threads: int) -> None:
         _POOL.get(threads)
 
 
-def _issue(pairs: Sequence[CopyPair], non_blocking: bool, cuda_devices: Sequence[int]) -> None:
-    """``copy_`` each pair on the current streams. If one fails, the copies already issued
-    are waited for before it raises: the caller then gives the arena back, and nothing may
-    still write into it."""
-    try:
-        with torch.no_grad():
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=non_blocking)
-    except BaseException:
-        for device in cuda_devices:
-            torch.cuda.synchronize(device)
-        raise
-
-
 def copy_all(
     host: Sequence[Segment],
     *,
     threads: int,
-    device_copies: Sequence[CopyPair] = (),
-    non_blocking: bool = False,
-    cuda_devices: Sequence[int] = (),
-    order: DeviceOrder | None = None,
+    device_wait: Callable[[], None] | None = None,
     shares: list[list[Segment]] | None = None,
     base: int = 0,
 ) -> None:
-    """Copy ``host`` ranges and ``device_copies`` (reading the CUDA devices
-    ``cuda_devices``); every byte is in the arena when this returns.
+    """Copy ``host`` ranges, then complete the device copies already issued
+    (``device_wait``, from :func:`._device_copy.start_copies`, so they ran meanwhile);
+    every byte is in the arena when this returns, or when it raises.
 
-    The calling thread takes one share of the host ranges, the pool the others. Device
-    copies are issued first, so they run while the host ranges are copied: on the calling
-    thread's current streams (then each device read is synchronized), or, with ``order``
-    (a background staging, see :class:`._device_copy.DeviceOrder`), on side streams after
-    the save call's events. ``shares`` (from :func:`plan_shares`, destinations relative to
-    ``base``) replaces ``host`` when the plan is already known.
+    The calling thread takes one share of the host ranges, the pool the others. ``shares``
+    (from :func:`plan_shares`, destinations relative to ``base``) replaces ``host`` when the
+    plan is already known.
     """
-    streams: list[torch.cuda.Stream] = []
-    if device_copies:
-        try:
-            if order is not None:
-                streams = order.copy(device_copies, non_blocking)
-            else:
-                _issue(device_copies, non_blocking, cuda_devices)
-        except Exception as exc:
-            raise StagingError(
-                f"copying the snapshot's device tensors into shared memory failed: {exc!r}"
-            ) from exc
     if shares is None:
         shares = plan_shares(host, threads)
     futures = []
@@ -223,12 +190,7 @@ def copy_all(
             future.result()
         except BaseException as exc:
             errors.append(exc)
-    if device_copies:
-        for stream in streams:
-            stream.synchronize()
-        if order is None:
-            for device in cuda_devices:
-                torch.cuda.synchronize(device)
-            make_side_streams(cuda_devices)  # for overlapped saves, made while idle
+    if device_wait is not None:
+        device_wait()
     if errors:
         raise StagingError(f"copying the snapshot into shared memory failed: {errors[0]!r}")

@@ -25,12 +25,14 @@ would).
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 
+from ..errors import StagingError
 from ._arena import Arena
 from ._messages import Slot
 
@@ -198,9 +200,8 @@ class DeviceOrder:
         torch.cuda.set_device(self.device)
 
     def copy(self, pairs: Sequence[CopyPair], non_blocking: bool) -> list[torch.cuda.Stream]:
-        """Issue ``pairs`` after the recorded events; the side streams to synchronize.
-        If issuing fails, the copies already issued are waited for before it raises: the
-        caller then gives the arena back, and nothing may still write into it."""
+        """Issue ``pairs`` after the recorded events; the side streams to synchronize
+        (waited for already if issuing fails, see :func:`start_copies`)."""
         by_device: dict[int, list[CopyPair]] = {}
         for pair in pairs:
             by_device.setdefault(pair[1].get_device() if pair[1].is_cuda else -1, []).append(pair)
@@ -227,3 +228,61 @@ class DeviceOrder:
                 stream.synchronize()
             raise
         return streams
+
+
+def _issue(pairs: Sequence[CopyPair], non_blocking: bool, cuda: Sequence[int]) -> None:
+    """``copy_`` each pair on the current streams (the devices ``cuda`` synchronized
+    already if one fails, see :func:`start_copies`)."""
+    try:
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=non_blocking)
+    except BaseException:
+        for device in cuda:
+            torch.cuda.synchronize(device)
+        raise
+
+
+def _wait_streams(streams: Sequence[torch.cuda.Stream]) -> None:
+    for stream in streams:
+        stream.synchronize()
+
+
+def _wait_devices(cuda: Sequence[int]) -> None:
+    for device in cuda:
+        torch.cuda.synchronize(device)
+    make_side_streams(cuda)  # for overlapped saves, made while the devices are idle
+
+
+def _nothing() -> None:
+    return None
+
+
+def start_copies(
+    plan: DevicePlan,
+    arena: Arena,
+    tensors: Sequence[torch.Tensor],
+    *,
+    keep: bool = False,
+    order: DeviceOrder | None = None,
+) -> Callable[[], None]:
+    """Issue ``plan``'s copies into ``arena`` and return the wait that completes them:
+    on the calling thread's current streams (the wait synchronizes each device read), or,
+    with ``order`` (a background staging), on side streams after the save call's events
+    (the wait synchronizes those streams alone). ``keep``: see :func:`destinations`.
+
+    A copy that fails to issue raises :class:`StagingError` once what was issued before it
+    has completed: the caller then gives the arena back, and nothing may still write in it.
+    """
+    if not plan.slots:
+        return _nothing
+    pairs = device_pairs(plan, arena, tensors, keep=keep)
+    try:
+        if order is not None:
+            return functools.partial(_wait_streams, order.copy(pairs, arena.pinned))
+        _issue(pairs, arena.pinned, plan.cuda)
+    except Exception as exc:
+        raise StagingError(
+            f"copying the snapshot's device tensors into shared memory failed: {exc!r}"
+        ) from exc
+    return functools.partial(_wait_devices, plan.cuda)

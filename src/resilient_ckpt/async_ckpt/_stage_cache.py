@@ -50,7 +50,7 @@ from .._logging import get_logger
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch
 from ._copy import Segment, copy_all, plan_shares
-from ._device_copy import NO_DEVICE, DeviceOrder, DevicePlan, destinations, device_pairs
+from ._device_copy import NO_DEVICE, DeviceOrder, DevicePlan, destinations, start_copies
 from ._layout_check import LayoutCheck
 from ._messages import Slot
 
@@ -214,13 +214,12 @@ class StageCache:
         ``tensors``: the request's, in the order the plan indexes them."""
         arena = pool.acquire(self._total, wait_for_release)
         try:
+            # The device copies are issued first, to run while the host ranges are copied.
+            device_wait = start_copies(self._device, arena, tensors, keep=True, order=order)
             copy_all(
                 (),
                 threads=self._threads,
-                device_copies=device_pairs(self._device, arena, tensors, keep=True),
-                non_blocking=arena.pinned,
-                cuda_devices=self._device.cuda,
-                order=order,
+                device_wait=device_wait,
                 shares=self._shares,
                 base=arena.address,
             )

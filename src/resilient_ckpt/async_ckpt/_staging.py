@@ -59,8 +59,8 @@ from ._device_copy import (
     DeviceOrder,
     DevicePlan,
     StorageKey,
-    device_pairs,
     plan_device_copies,
+    start_copies,
     storage_key,
 )
 from ._messages import Slot, SlotTable
@@ -233,7 +233,6 @@ def _layout(slots: list[_PendingSlot]) -> tuple[Placement, tuple[Slot, ...]]:
 
 def copy_into(
     arena: Arena,
-    slots: list[_PendingSlot],
     placement: Placement,
     device: DevicePlan,
     tensors: list[torch.Tensor],
@@ -249,14 +248,8 @@ def copy_into(
     """
     base = arena.address
     host = [(base + dst, src, n) for dst, src, n in placement.runs]
-    copy_all(
-        host,
-        threads=threads,
-        device_copies=device_pairs(device, arena, tensors),
-        non_blocking=arena.pinned,
-        cuda_devices=device.cuda,
-        order=order,
-    )
+    device_wait = start_copies(device, arena, tensors, order=order)  # run while host copies
+    copy_all(host, threads=threads, device_wait=device_wait)
 
 
 def stage(
@@ -298,15 +291,7 @@ def stage(
     else:
         arena = pool.acquire(total, wait_for_release)
         try:
-            copy_into(
-                arena,
-                collector.slots,
-                placement,
-                device,
-                collector.tensors,
-                threads=threads,
-                order=order,
-            )
+            copy_into(arena, placement, device, collector.tensors, threads=threads, order=order)
         except BaseException:
             pool.release(arena.arena_id)
             raise
