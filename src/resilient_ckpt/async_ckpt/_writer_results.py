@@ -25,6 +25,7 @@ from ..errors import CheckpointWriteError
 from ..storage.commit import RecordCommit
 from ._dcp_run import discard_report, load_report
 from ._dcp_write import WriteJob
+from ._encoded_results import join
 
 logger = get_logger(__name__)
 
@@ -122,7 +123,8 @@ class CommitSteps:
         report = load_report(self._job)
         self.written_files = checked_files(report, self._expected_files, self.checkpoint_dir)
         discard_report(self._job)
-        return [result for record in report.files for result in record.results]
+        # Pickled for the gather, the list is its files' bytes (see _encoded_results).
+        return join(record.results for record in report.files)
 
     def finish(
         self,
