@@ -25,7 +25,6 @@ A changed structure gives a new plan (the cache misses and re-plans), hence new 
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 import operator
@@ -43,6 +42,7 @@ from ..errors import CheckpointingException, ConfigurationError
 from ._batch import SourcedBatch, TensorBatch
 from ._dcp_resolve import direct_lookup, quick_sources, resolve_blob, resolve_sources
 from ._dcp_write import WriteBucket
+from ._list_hooks import call_first
 
 _CACHE_SIZE = 4
 
@@ -211,25 +211,14 @@ class _Resolver:
         return quick_sources(self.blob, self.flat)
 
 
-def _resolving(name: str) -> Any:
-    method = getattr(list, name)
-
-    @functools.wraps(method)
-    def wrapper(self: ItemTensors, *args: Any, **kwargs: Any) -> Any:
-        self._materialize()
-        return method(self, *args, **kwargs)
-
-    return wrapper
-
-
 # Every list operation sees the resolved pairs (pickling has its own __reduce_ex__).
-for _name in (
+_RESOLVING = (
     "__len__", "__getitem__", "__iter__", "__reversed__", "__contains__", "__eq__", "__ne__",
     "__lt__", "__le__", "__gt__", "__ge__", "__repr__", "__add__", "__mul__", "__rmul__",
     "__iadd__", "__imul__", "__setitem__", "__delitem__", "append", "extend", "insert", "pop",
     "remove", "clear", "index", "count", "copy", "sort", "reverse",
-):  # fmt: skip
-    setattr(ItemTensors, _name, _resolving(_name))
+)  # fmt: skip
+call_first(ItemTensors, _RESOLVING, operator.methodcaller("_materialize"))
 
 
 class _Skeleton:

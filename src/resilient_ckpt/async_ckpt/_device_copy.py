@@ -207,22 +207,19 @@ class DeviceOrder:
             by_device.setdefault(pair[1].get_device() if pair[1].is_cuda else -1, []).append(pair)
         streams: list[torch.cuda.Stream] = []
         try:
-            with torch.no_grad():
-                for device, group in by_device.items():
-                    if device < 0:  # another device type: copied synchronously, in order
-                        for dst, src in group:
-                            dst.copy_(src)
-                        continue
-                    stream = _side_stream(device)
-                    event = self._events.get(device)
-                    if event is None:  # not in use at the call: wait for its queued work
-                        torch.cuda.synchronize(device)
-                    else:
-                        stream.wait_event(event)
-                    streams.append(stream)
-                    with torch.cuda.stream(stream):
-                        for dst, src in group:
-                            dst.copy_(src, non_blocking=non_blocking)
+            for device, group in by_device.items():
+                if device < 0:  # another device type: copied synchronously, in order
+                    _issue(group, False, ())
+                    continue
+                stream = _side_stream(device)
+                event = self._events.get(device)
+                if event is None:  # not in use at the call: wait for its queued work
+                    torch.cuda.synchronize(device)
+                else:
+                    stream.wait_event(event)
+                streams.append(stream)
+                with torch.cuda.stream(stream):
+                    _issue(group, non_blocking, ())
         except BaseException:
             for stream in streams:
                 stream.synchronize()

@@ -28,12 +28,13 @@ changed in place (any list mutation) drops its bytes and pickles as the plain li
 from __future__ import annotations
 
 import copy
-import functools
 import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
+
+from ._list_hooks import call_first
 
 _MAX_ENTRIES = 64
 _MAX_BYTES = 16 << 20
@@ -69,23 +70,16 @@ class EncodedResults(list):
         return [copy.deepcopy(result, memo) for result in self]
 
 
-def _mutating(name: str) -> Any:
-    method = getattr(list, name)
-
-    @functools.wraps(method)
-    def wrapper(self: EncodedResults, *args: Any, **kwargs: Any) -> Any:
-        self._payloads = None
-        return method(self, *args, **kwargs)
-
-    return wrapper
+def _drop_payloads(results: EncodedResults) -> None:
+    results._payloads = None
 
 
 # In place, the list no longer is what its bytes say.
-for _name in (
+_CHANGING = (
     "__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert",
     "pop", "remove", "clear", "sort", "reverse",
-):  # fmt: skip
-    setattr(EncodedResults, _name, _mutating(_name))
+)  # fmt: skip
+call_first(EncodedResults, _CHANGING, _drop_payloads)
 
 
 def encode(results: list[Any]) -> EncodedResults:
