@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from .bench.stall_flows import CPU_FLOWS, CUDA_FLOWS, FLOWS, SHAPES, Config, Flows
+from .bench.stall_flows import CPU_FLOWS, CUDA_FLOWS, DEFAULT_SHAPES, FLOWS, SHAPES, Config, Flows
 from .bench.stall_report import record, report
 
 # Flows of torch's, not ours: one that fails (a torch release's own bug) is retried with a
@@ -164,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--warmups", type=int, default=2)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
+    parser.add_argument(
+        "--shapes",
+        default=",".join(DEFAULT_SHAPES),
+        help=f"comma-separated, of {', '.join(SHAPES)} (default: {','.join(DEFAULT_SHAPES)})",
+    )
     parser.add_argument("--memory-saves", type=int, default=50)
     parser.add_argument(
         "--first-trials", type=int, default=3, help="fresh objects whose first save is timed"
