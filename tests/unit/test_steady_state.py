@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from resilient_ckpt.async_ckpt import _device_copy, _layout_check, _staging
+from resilient_ckpt.async_ckpt import _device_copy, _staging
 from resilient_ckpt.async_ckpt._arena import Arena
 from resilient_ckpt.async_ckpt._stage_cache import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage
@@ -102,12 +102,9 @@ CHANGES = [
 
 
 @pytest.mark.parametrize("copy", ["memmove", "copy_"])
-@pytest.mark.parametrize("check", ["torch's tensor guard", "from Python"])
 def test_stage_cache_hits_only_for_an_unchanged_layout_and_stages_each_call_exactly(
-    check, copy, monkeypatch
+    copy, monkeypatch
 ) -> None:
-    if check == "from Python":
-        monkeypatch.setattr(_layout_check, "guard_factory", lambda: None)
     if copy == "copy_":  # every storage staged as a device storage is (see _device_copy)
         monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
     pool = ArenaPool(1)
@@ -566,9 +563,10 @@ def test_local_walk_of_a_dict_of_tensors_makes_the_loop_tokens() -> None:
     """The local shard cache's C-level walk of a dict of tensors of one type gives the same
     tokens and tensors as its entry-by-entry walk (here: of the same tensors in a list); a
     tensor's token is its type, the rest of its layout is checked over all tensors at once
-    (``MetaCheck``), which a changed requires_grad, dtype or stride fails."""
-    from resilient_ckpt.async_ckpt._layout_check import MetaCheck
+    (the record memo's ``tensor_meta``), which a changed requires_grad, dtype or stride
+    fails."""
     from resilient_ckpt.local import _shard_cache
+    from resilient_ckpt.local._format import RecordMemo
 
     tensors = [torch.rand(3), torch.rand(2, 2).t(), torch.rand(1, requires_grad=True)]
     by_dict = _shard_cache.walk({f"t{i}": t for i, t in enumerate(tensors)})
@@ -579,7 +577,8 @@ def test_local_walk_of_a_dict_of_tensors_makes_the_loop_tokens() -> None:
     params = {"p": torch.nn.Parameter(torch.rand(2)), "q": torch.nn.Parameter(torch.rand(2))}
     walked = _shard_cache.walk(params)
     assert walked is not None and walked[0][1] is torch.nn.Parameter
-    check = MetaCheck(by_dict[2])
+    check = RecordMemo()
+    check.remember(by_dict[2], [False] * 3, check.records, 0)
     assert check.matches(list(tensors))
     for change in (
         lambda t: t[0].requires_grad_(True),

@@ -9,10 +9,10 @@ Only the bytes differ. So a save first pickles the request *optimistically*, wit
 that answers its i-th call with the previous save's i-th result (one list append, no
 per-tensor queries; a call is one tensor, or a whole ``TensorBatch`` of the staging layer,
 whose descriptors travel as one blob pickled at the full staging), then checks the guess:
-every tensor met, in order, must have the previous save's *layout* (:mod:`._layout_check`)::
+every tensor met, in order, must have the previous save's *layout* (:func:`layouts`)::
 
-    (type, device, layout, dtype, shape, stride, storage offset, requires_grad,
-     storage address, storage bytes)
+    (type, device, layout, dtype, shape, stride, requires_grad, conjugate and negative
+     bits, storage offset, storage address, storage bytes)
 
 Equal layouts, position by position, mean equal descriptors and equal slot grouping (both are
 functions of the layouts alone), and equal source addresses and lengths, so the cached copy
@@ -33,15 +33,16 @@ values). Device tensors are: their copies are planned from the layouts too
 by each arena. The cache holds no reference to any tensor: only the layouts (plain values)
 and the plans.
 
-Cost per tensor on a hit: one reducer call (an append; none in a batch) and the layout
-check (~0.2 us warm, ~0.3-0.6 cache-cold after a training step, with PyTorch's C++ tensor
-guard; about twice that read from Python), against ~5 us for the full reducer plus a
-per-save placement and split.
+The layouts are read through public tensor methods, each field one C-level ``map`` over the
+tensors. (An earlier version compared the first fields with ``torch.compile``'s private C++
+tensor guard; at a realistic shape, a gigabyte per rank, the difference is lost in the copy,
+so the public reading is the only one.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,10 +52,46 @@ from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch
 from ._copy import Segment, copy_all, plan_shares
 from ._device_copy import NO_DEVICE, DeviceOrder, DevicePlan, destinations, start_copies
-from ._layout_check import LayoutCheck
 from ._messages import Slot
 
 logger = get_logger(__name__)
+
+
+# One C-level call per tensor for the fields that are plain attributes.
+_ATTRIBUTES = operator.attrgetter("device", "layout", "dtype", "shape", "requires_grad")
+
+
+def tensor_meta(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
+    """Type, device, layout, dtype, shape, ``requires_grad``, stride and the conjugate and
+    negative bits of every tensor, as columns (one list per field). Raises for a tensor
+    without strides."""
+    return (
+        list(map(type, tensors)),
+        list(map(_ATTRIBUTES, tensors)),
+        list(map(torch.Tensor.stride, tensors)),
+        list(map(torch.Tensor.is_conj, tensors)),
+        list(map(torch.Tensor.is_neg, tensors)),
+    )
+
+
+def layouts(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
+    """The whole layout of every tensor: :func:`tensor_meta` and where its bytes lie.
+    Two requests whose layouts are equal stage to the same descriptors, slots and copy
+    ranges. Raises for a tensor without strides or without a strided storage."""
+    storages = list(map(torch.Tensor.untyped_storage, tensors))
+    return (
+        *tensor_meta(tensors),
+        list(map(torch.Tensor.storage_offset, tensors)),
+        list(map(torch.UntypedStorage.data_ptr, storages)),
+        list(map(torch.UntypedStorage.nbytes, storages)),
+    )
+
+
+def _same_layouts(expected: tuple[list, ...], tensors: Sequence[torch.Tensor]) -> bool:
+    try:
+        return layouts(tensors) == expected
+    except Exception:  # e.g. a sparse tensor (no strides): not the layout cached
+        return False
 
 
 class _Miss(Exception):
@@ -104,7 +141,7 @@ class StageCache:
     def __init__(self) -> None:
         self._reduced: list[Any] | None = None
         self._counts: list[int] = []
-        self._layout: LayoutCheck | None = None
+        self._layout: tuple[list, ...] | None = None
         self._slots: tuple[Slot, ...] = ()
         self._total = 0
         self._threads = 0
@@ -145,7 +182,7 @@ class StageCache:
             self.clear()
             return
         try:
-            layout = LayoutCheck(tensors)
+            layout = layouts(tensors)
         except Exception as exc:  # an exotic tensor: never reuse, stage fully
             logger.debug("staging cache disabled for this request: %r", exc)
             self.clear()
@@ -170,7 +207,7 @@ class StageCache:
         guess = _Guess(self._reduced, self._counts)
         try:
             payload = dump(obj, guess)
-            if guess.calls != len(self._reduced) or not layout.matches(guess.tensors):
+            if guess.calls != len(self._reduced) or not _same_layouts(layout, guess.tensors):
                 return None
         except Exception:  # _Miss, or anything the full path will report properly
             return None

@@ -102,7 +102,7 @@ class _Collector:
     It also records, per reducer call, what :mod:`._stage_cache` needs to reuse this pickle's
     descriptors: the result and how many tensors the call described (one, or a
     :class:`TensorBatch`'s length), and the tensors in order (for their layouts, see
-    :mod:`._layout_check`). ``reusable`` turns False when a tensor is pickled by value.
+    :func:`._stage_cache.layouts`). ``reusable`` turns False when a tensor is pickled by value.
     """
 
     def __init__(self) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from .._checksum import CrcPipe, crc32
 from ..async_ckpt._batch import TensorBatch
-from ..async_ckpt._layout_check import MetaCheck
+from ..async_ckpt._stage_cache import tensor_meta
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._pickled import PickledOnce, PickledValue, spliced
@@ -109,10 +109,9 @@ class RecordMemo:
     tensors each time. Their records (dtype, shape, offset, size, ``requires_grad``,
     parameter or not) and the checks before them are functions of each tensor's class,
     dtype, shape, ``requires_grad``, layout, device and ``_is_param`` flag alone. ``check``
-    (the staging's :class:`~..async_ckpt._layout_check.MetaCheck`: one C++ pass where
-    PyTorch's tensor guard is usable; it also holds strides) and the ``_is_param`` flags
-    equal, tensor by tensor, reuse the records and their pickle (~0.2 us a tensor against
-    ~2.5 to check, record and pickle it). ``check`` is None before the first planning.
+    (the staging's :func:`~..async_ckpt._stage_cache.tensor_meta` of the tensors; it also
+    holds strides) and the ``_is_param`` flags equal, tensor by tensor, reuse the records
+    and their pickle. ``check`` is None before the first planning.
 
     ``splices``: the last planning's pickled constant parts (see :mod:`._pickled`), which a
     header refresh of a steady ``BasicTensorAwareStateDict`` reuses (:mod:`._shard_cache`).
@@ -121,21 +120,30 @@ class RecordMemo:
     __slots__ = ("check", "flags", "records", "size", "splices")
 
     def __init__(self) -> None:
-        self.check: MetaCheck | None = None
+        self.check: tuple[list, ...] | None = None
         self.flags: list[bool] = []
         self.records: PickledOnce = PickledOnce(())
         self.size = 0
         self.splices: list[PickledValue] = []
 
+    def matches(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` have the meta of the tensors last recorded."""
+        if self.check is None:
+            return False
+        try:
+            return tensor_meta(tensors) == self.check
+        except Exception:  # e.g. a sparse tensor (no strides): not the tensors recorded
+            return False
+
     def holds(self, tensors: list[torch.Tensor], flags: list[bool]) -> bool:
         """Whether the memo's records are those of ``tensors`` (with their ``_is_param``)."""
-        return self.check is not None and flags == self.flags and self.check.matches(tensors)
+        return flags == self.flags and self.matches(tensors)
 
     def remember(
         self, tensors: list[torch.Tensor], flags: list[bool], records: PickledOnce, size: int
     ) -> None:
         self.records, self.size, self.flags = records, size, flags
-        self.check = MetaCheck(tensors)  # the tensors passed _check_tensor: strided
+        self.check = tensor_meta(tensors)  # the tensors passed _check_tensor: strided
 
 
 def _param_flags(tensors: list[torch.Tensor]) -> list[bool]:

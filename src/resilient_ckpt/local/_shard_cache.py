@@ -13,8 +13,8 @@ planned from:
 * which dicts and lists are met a second time, by identity (a header pickles them once:
   loading gives one object where the state had one);
 * for every tensor, what its placeholder and record hold: type, shape, dtype, device,
-  layout, ``requires_grad`` (with its stride: one C++ check over all of them, see
-  :mod:`..async_ckpt._layout_check`; a changed stride alone just plans again);
+  layout, ``requires_grad`` (with its stride, see
+  :func:`..async_ckpt._stage_cache.tensor_meta`; a changed stride alone just plans again);
 * every other leaf's type, when it is one whose equality is exact and whose pickle depends
   only on its value (``int``, ``float``, ``str``, ``bytes``, ``bool``, ``None``); a leaf of
   any other type disables the cache for that state (its pickle is re-made).
@@ -227,13 +227,12 @@ class ShardPlanCache:
         walked = None
         if type(state) is BasicTensorAwareStateDict and state.reusable_layout():
             walked = walk(state.state_dict)
-        cached, check = self._layout, self._records.check
+        cached = self._layout
         if (
             walked is None
             or cached is None
-            or check is None
             or walked[0] != self._tokens
-            or not check.matches(walked[2])
+            or not self._records.matches(walked[2])
         ):
             return self._plan_full(state, plan_full, walked)
         _, values, tensors = walked
