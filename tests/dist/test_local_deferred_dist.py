@@ -86,7 +86,7 @@ def test_deferred_local_saves_prepare_at_staging_and_load_the_values_of_the_call
 
 def _failures(rank: int, world: int, root: str) -> list:
     from resilient_ckpt.async_ckpt.core import AsyncCallsQueue
-    from resilient_ckpt.errors import ConfigurationError
+    from resilient_ckpt.errors import CheckpointingException, ConfigurationError
     from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager
 
     warnings.filterwarnings("ignore")
@@ -110,10 +110,22 @@ def _failures(rank: int, world: int, root: str) -> list:
                 out.append((type(exc).__name__, str(exc)))
             else:
                 out.append(("", ""))
-            try:  # the failed call is reported by the queue's finalize too
-                queue.maybe_finalize_async_calls(blocking=True)
-            except Exception:
-                pass
+            # The failed call is reported by the next finalize, once; the one after is clean.
+            reports = []
+            for _ in range(2):
+                try:
+                    reports.append(("", queue.maybe_finalize_async_calls(blocking=True)))
+                except CheckpointingException as exc:
+                    cause = exc.__cause__
+                    reports.append(
+                        (
+                            type(exc).__name__,
+                            sorted(getattr(exc, "failed_ranks", [])),
+                            type(cause).__name__,
+                            str(cause),
+                        )
+                    )
+            out.append((reports, queue.get_num_unfinalized_calls()))
         request = manager.save(BasicTensorAwareStateDict(state), 9, True)
         queue.schedule_async_request(request, overlap_staging=True)
         queue.wait_for_snapshot()
@@ -127,7 +139,7 @@ def _failures(rank: int, world: int, root: str) -> list:
 def test_a_deferred_local_save_failing_anywhere_fails_everywhere_then_saves_go_on(
     tmp_path,
 ) -> None:
-    for rank, (bad_state, different, latest) in enumerate(
+    for rank, (bad_state, bad_finalized, different, different_finalized, latest) in enumerate(
         launch(_failures, 2, str(tmp_path), timeout=160)
     ):
         kind, message = bad_state
@@ -135,4 +147,11 @@ def test_a_deferred_local_save_failing_anywhere_fails_everywhere_then_saves_go_o
         assert "rank(s) [1]" in message and "TensorAwareStateDict" in message, (rank, message)
         kind, message = different
         assert kind == "ConfigurationError" and "different iterations" in message, (rank, different)
+        # The next finalize raises the staging's error once, on every rank, as a failure of
+        # the request on all ranks caused by it; the finalize after it has nothing left.
+        for (first, second), pending in (bad_finalized, different_finalized):
+            assert first[:2] == ("RankConfigurationError", [0, 1]), (rank, first)
+            assert second == ("", []) and pending == 0, (rank, second, pending)
+        assert bad_finalized[0][0][2:] == ("RankConfigurationError", bad_state[1]), rank
+        assert different_finalized[0][0][2:] == ("ConfigurationError", different[1]), rank
         assert latest == 9, (rank, latest)

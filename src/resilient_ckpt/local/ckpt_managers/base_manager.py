@@ -1,42 +1,89 @@
 """``BaseCheckpointManager``: the protocol of local checkpoints, independent of storage.
 
 Public methods own the invariants; a subclass implements the storage ``_hooks`` (listing,
-reading and verifying copies, the write function, commit, retention). Every public method
+reading and verifying copies, the write function, commit, retention), as
+:class:`~.local_manager.LocalCheckpointManager` does for local files. Every public method
 is collective: all ranks call it at once, in the trainer.
 
 * ``save(state, iteration, is_async)``: every rank checks the request locally (a
   TensorAwareStateDict, an iteration newer than any known, a writable directory, a
   picklable non-tensor part) and the outcomes are agreed, so a bad request fails on every
-  rank with the cause instead of hanging the others. The shard is laid out once. Without
-  replication, writing it is the ``async_fn`` of an
-  :class:`~resilient_ckpt.async_ckpt.core.AsyncRequest` that runs on the persistent queue
-  (which snapshots the tensors into shared memory) and on the fork queue (which snapshots
-  by forking, after ``preload_fn`` moved device tensors to the host). With replication the
-  shard is serialized into one flat buffer (the snapshot) and exchanged with the clique,
-  which is a collective and so happens in the trainer: in a trainer thread for async saves
-  over gloo (the request's ``async_fn`` waits for that thread, see ``.._background``),
-  inline otherwise. The finalize function commits: once every rank's writes succeeded,
-  each rank renames its dirty files to their final names, and retention removes older
-  iterations (in the background, see ``.._deleter``). A synchronous save runs the same
-  steps inline.
-* ``find_latest()``: all ranks gather the catalogue of committed copies. Newest first, an
-  iteration is complete when every rank's shard has a copy whose checksum verifies: each
-  rank verifies its own copy (reading it, which also pre-loads it for ``load``); for
-  shards whose owner has no valid copy, the holders of replicas verify theirs. A corrupt
-  file is logged by path and treated as missing. Newer iterations that are not complete are
-  deleted (they can never become complete), as are dirty leftovers of interrupted saves.
+  rank with the cause instead of hanging the others. The shard is laid out once. Then one
+  of three paths. A synchronous save writes (and replicates) inline. An async save without
+  replication, or with replication over a non-gloo group, hands the write to the
+  ``async_fn`` of an :class:`~resilient_ckpt.async_ckpt.core.AsyncRequest` that runs on the
+  persistent queue (which snapshots the tensors into shared memory) or on the fork queue
+  (which snapshots by forking, after ``preload_fn`` moved device tensors to the host); with
+  replication the exchange, a collective, happens first in the trainer. An async
+  replicated save over gloo serializes the shard into one reusable flat buffer (the
+  snapshot) and exchanges and writes it with the clique in a trainer thread (the request's
+  ``async_fn`` waits for that thread, see ``.._background``). The finalize function
+  commits: once every rank's writes succeeded, each rank renames its dirty files to their
+  final names, and retention removes older iterations (in the background, see
+  ``.._deleter``); if any rank failed, every rank abandons the iteration and removes its
+  files. A synchronous save runs the same steps inline.
+* ``find_latest()``: all ranks gather the catalogue of committed copies (``._catalogue``).
+  Newest first, an iteration is complete when every rank's shard has a copy whose checksum
+  verifies, decided in at most two agreed rounds: each rank verifies its own copy (reading
+  it, which also pre-loads it for ``load``) and, for shards whose owner has no copy, the
+  holders of replicas verify theirs (forwarding them to the owner as they read, see
+  ``..replication._forward``); only if a shard is still without a verified copy (a corrupt
+  one), the remaining replicas of that shard are verified. A corrupt file is logged by path
+  and treated as missing. Newer iterations that are not complete are deleted (they can
+  never become complete), as are dirty leftovers of interrupted saves.
 * ``load()``: the strategy plans who sends which shard (only ranks without a valid copy
-  of their own receive one), the verified bytes move as one buffer per transfer, and the
-  state is rebuilt with its tensors as views of that buffer, then moved back to the
-  devices it came from.
+  of their own receive one), the verified bytes move as one buffer per transfer and are
+  checked against the sender's manifest, and the state is rebuilt with its tensors as views
+  of that buffer, then moved back to the devices it came from.
 """
 
 from __future__ import annotations
 
-from ...errors import CheckpointingException, SameMachineReplicationException
-from ._manager_base import CkptID
-from ._restore import RestoreSteps
-from ._save import SaveSteps
+import functools
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ... import _dist
+from ..._logging import get_logger
+from ...async_ckpt._deferred import DeferredList, resolved
+from ...async_ckpt.core import AsyncCallsQueue, AsyncRequest
+from ...config import default_timeouts
+from ...errors import (
+    CheckpointingException,
+    ConfigurationError,
+    CorruptCheckpointError,
+    SameMachineReplicationException,
+)
+from .. import _format, _nvrx_format
+from .._agreement import agree, agree_gather, agree_number
+from .._background import (
+    BackgroundSaves,
+    clique_for_background,
+    wait_for_status,
+    write_status,
+)
+from .._format import (
+    ShardBuffer,
+    ShardLayout,
+    crc_of,
+    deserialize,
+    plan_shard,
+    serialize,
+    write_into,
+)
+from .._manifest import CopyInfo
+from .._shard_cache import ShardPlanCache
+from .._writer import Source, on_host
+from ..base_state_dict import TensorAwareStateDict
+from ..replication import _chunked, _forward
+from ..replication.group_utils import CliqueGroup
+from ..replication.strategies import ReplicationStrategy
+from . import _catalogue
 
 __all__ = [
     "BaseCheckpointManager",
@@ -45,11 +92,647 @@ __all__ = [
     "SameMachineReplicationException",
 ]
 
+logger = get_logger(__name__)
 
-class BaseCheckpointManager(RestoreSteps, SaveSteps):
+CkptID = tuple[int, int, Any]
+"""A checkpoint id: ``(iteration, owner rank, session_id)``."""
+
+
+def _as_ckpt_id(value: Hashable) -> CkptID:
+    if not isinstance(value, tuple) or len(value) != 3:
+        raise CheckpointingException(f"replication returned a malformed checkpoint id {value!r}")
+    return (int(value[0]), int(value[1]), value[2])
+
+
+def _require_tensor_aware(state_dict: Any, method: str) -> None:
+    if not isinstance(state_dict, TensorAwareStateDict):
+        raise ConfigurationError(
+            f"{method}() needs a TensorAwareStateDict, got {type(state_dict).__name__}; wrap "
+            "a plain state dict in BasicTensorAwareStateDict"
+        )
+
+
+def _on_host_resolved(sources: list[Source]) -> list[Source]:
+    """``preload_fn`` of a deferred save: plan it if staging did not (the fork queue), then
+    ``on_host`` (in the worker, it gets the staged sources as a plain list)."""
+    return on_host(resolved(sources))
+
+
+def _check_iteration(iteration: Any) -> None:
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+        raise ConfigurationError(f"iteration must be an int >= 0, got {iteration!r}")
+
+
+def _shard_bytes(state: TensorAwareStateDict) -> ShardBuffer:
+    """A copy to write: received shards as they are, other states serialized."""
+    return state if isinstance(state, ShardBuffer) else ShardBuffer(serialize(plan_shard(state)))
+
+
+class _Forwarding:
+    """This rank's part in one verification round's forwards (``replication._forward``):
+    the replicas it verifies while sending them on, and the receive of its own lost shard."""
+
+    def __init__(
+        self,
+        rank: int,
+        iteration: int,
+        plan: dict[int, tuple[int, CopyInfo]],
+        clique: CliqueGroup,
+    ) -> None:
+        self.rank, self.iteration, self.clique = rank, iteration, clique
+        # Only within this rank's clique, the group the chunks travel in: both ends see
+        # the same (cliques partition the ranks), so a pair outside one acts on neither.
+        members = set(clique.ranks)
+        self.receivers = {
+            copy.path: owner
+            for owner, (sender, copy) in plan.items()
+            if sender == rank and owner in members
+        }
+        mine = plan.get(rank)
+        self.mine = mine if mine is not None and mine[0] in members else None
+        self.incoming: _chunked.IncomingBuffer | None = None
+
+    def post_receive(self) -> None:
+        """Post the receive of this rank's shard if a peer forwards it (before verifying)."""
+        if self.mine is not None:
+            sender, copy = self.mine
+            self.incoming = _forward.expect(copy, sender, self.clique)
+
+    def bind(self, try_verify: Any) -> Any:
+        """``try_verify`` that forwards the copies this rank sends on as it verifies them."""
+
+        def check(copy: CopyInfo) -> bool:
+            receiver = self.receivers.get(copy.path)
+            if receiver is None:
+                return bool(try_verify(copy))
+            return bool(try_verify(copy, read=lambda c: _forward.forward(c, receiver, self.clique)))
+
+        return check
+
+    def receive(self, verified: dict[CkptID, torch.Tensor], ckpt_id: CkptID) -> bool:
+        """Wait for this rank's forwarded shard; keep it as ``ckpt_id`` if it verifies."""
+        if self.incoming is None or self.mine is None:
+            return False
+        sender, copy = self.mine
+        buffer = _forward.received(self.incoming, copy, sender)
+        self.incoming = None
+        if buffer is None:
+            return False
+        verified[ckpt_id] = buffer
+        return True
+
+
+class BaseCheckpointManager(ABC):
     """Local checkpoints of one rank's state, with optional replication (NVRx API).
 
-    The public methods (``find_latest``, ``load``, ``save``; all collective) come from
-    :class:`~._restore.RestoreSteps` and :class:`~._save.SaveSteps`; a subclass
-    implements the storage hooks of :class:`~._manager_base.ManagerBase`.
+    The public methods (``save``, ``find_latest``, ``load``; all collective) own the
+    protocol; a subclass implements the storage hooks (the abstract ``_`` methods below).
     """
+
+    def __init__(self, session_id: Any, repl_strategy: ReplicationStrategy | None = None) -> None:
+        if repl_strategy is not None and not isinstance(repl_strategy, ReplicationStrategy):
+            raise ConfigurationError(
+                f"repl_strategy must be a ReplicationStrategy or None, got {repl_strategy!r}"
+            )
+        self.latest_iteration = -1
+        self.repl_strategy = repl_strategy
+        # Async saves without replication prepare at staging (see save).
+        self.defer_planning = False
+        self.session_id = session_id
+        self._rank: int | None = None
+        self.globally_available_ids: dict[int, list[CkptID]] = {}
+        self._catalogue: list[list[CopyInfo]] = []
+        self._verified: dict[CkptID, torch.Tensor] = {}
+        self._inflight: set[int] = set()
+        self._newest_saved = -1
+        self._background = BackgroundSaves()
+        # The previous save's shard layout, reused while the structure is unchanged.
+        self._shard_cache = ShardPlanCache()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job (0, with a warning, without a process group)."""
+        if self._rank is None:
+            if not _dist.has_process_group():
+                logger.warning("torch.distributed is not initialised; using rank 0")
+            self._rank = _dist.rank()
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return _dist.world_size()
+
+    def _ckpt_id(self, iteration: int, owner: int | None = None) -> CkptID:
+        if iteration < 0:
+            raise CheckpointingException(f"invalid iteration {iteration}: must be >= 0")
+        return (iteration, self.rank if owner is None else owner, self.session_id)
+
+    def _replication_params(self) -> dict[str, Any] | None:
+        return None if self.repl_strategy is None else self.repl_strategy.replication_params()
+
+    # -- save -------------------------------------------------------------------------------
+
+    def save(
+        self, state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False
+    ) -> AsyncRequest | None:
+        """Save this rank's ``state_dict`` as ``iteration``; collective.
+
+        Returns an :class:`AsyncRequest` to schedule on an ``AsyncCallsQueue`` (persistent
+        or fork) when ``is_async``; else writes, commits and returns None. With
+        ``defer_planning`` (an async save without a replication strategy) the checks, the
+        layout and their agreement run when that request is staged instead of here.
+        """
+        if is_async and self.defer_planning and self.repl_strategy is None:
+            return self._deferred_request(state_dict, iteration)
+        started = time.perf_counter()
+        layout, iterations = agree_number(
+            "local checkpoint save", lambda: self._prepare(state_dict, iteration), iteration
+        )
+        if len(set(iterations)) != 1:
+            raise ConfigurationError(f"ranks save different iterations: {iterations}")
+        self.latest_iteration = -1
+        self._drop_cache()
+        my_id = self._ckpt_id(iteration)
+        self._inflight.add(iteration)
+        finalize = functools.partial(self._finalize_save, iteration)
+        background = clique_for_background(self.repl_strategy) if is_async else None
+        if background is not None:
+            request = self._background_request(background, layout, my_id, finalize)
+            logger.info(
+                "local checkpoint %d: snapshot of %d bytes in %.3fs, replication in background",
+                iteration,
+                layout.size,
+                time.perf_counter() - started,
+            )
+            return request
+        self._background.drain(default_timeouts().finalize)
+        if is_async:
+            sources, ckpt_ids = self._copies(layout, my_id)
+            write_fn, targets = self._write_request(iteration, ckpt_ids)
+            preload = functools.partial(on_host, sources)
+            return AsyncRequest(write_fn, (targets, sources), [finalize], preload_fn=preload)
+        self._save_now(layout, my_id)
+        finalize()
+        logger.info("local checkpoint %d saved in %.3fs", iteration, time.perf_counter() - started)
+        return None
+
+    def warmup(
+        self, state_dict: TensorAwareStateDict, queue: AsyncCallsQueue | None = None
+    ) -> None:
+        """Prepare this rank for saving ``state_dict``'s structure, so the first save costs
+        what a steady one does; writes nothing. Collective, like ``save``: every rank calls
+        it (it creates the library's process group the saves agree on).
+
+        Lays the shard out (cached: the next save of this structure reuses it) and, for
+        replicated saves, pre-faults the snapshot buffer. With ``queue`` (the one the async
+        saves are scheduled on) it also starts its worker and copy threads, pre-faults an
+        arena for the shard's tensors and primes its staging cache with them.
+        """
+        _require_tensor_aware(state_dict, "warmup")
+        if _dist.is_distributed():
+            _dist.library_group()
+        layout = self._shard_cache.plan(state_dict, plan_shard)
+        if self.repl_strategy is not None:
+            if clique_for_background(self.repl_strategy) is not None:
+                buffer = self._background.acquire(layout.size, default_timeouts().finalize)
+                buffer.fill_(0)  # first touch now, not during the first snapshot
+                self._background.release(buffer)
+            if queue is not None:
+                queue.warmup()  # the request stages received shards, unknown until then
+        elif queue is not None:
+            # What an unreplicated async save stages: the layout's tensors, in order.
+            queue.warmup([layout])
+
+    def _prepare(self, state_dict: Any, iteration: Any) -> ShardLayout:
+        _require_tensor_aware(state_dict, "save")
+        _check_iteration(iteration)
+        newest = max(self._newest_saved, self.latest_iteration, *self._inflight)
+        if iteration <= newest:
+            raise ConfigurationError(
+                f"iteration {iteration} is not newer than the latest local checkpoint "
+                f"({newest}); iterations must increase"
+            )
+        self._prepare_save(iteration)
+        return self._shard_cache.plan(state_dict, plan_shard)
+
+    def _deferred_request(self, state_dict: Any, iteration: Any) -> AsyncRequest:
+        """An async save whose preparation (the checks and the layout, agreed across
+        ranks) runs where its request is staged: in overlapped staging on the staging
+        thread, its agreement on the library's background group (see
+        :mod:`resilient_ckpt.async_ckpt._deferred`). Its sources fill in then."""
+        _check_iteration(iteration)  # here too: the request's targets are named by it
+        group = _dist.background_group() if _dist.is_distributed() else None
+        self.latest_iteration = -1
+        self._drop_cache()
+        my_id = self._ckpt_id(iteration)
+        write_fn, targets = self._write_request(iteration, [my_id])
+
+        def complete() -> None:
+            layout, iterations = agree_number(
+                "local checkpoint save",
+                lambda: self._prepare(state_dict, iteration),
+                iteration,
+                group=group,
+            )
+            if len(set(iterations)) != 1:
+                raise ConfigurationError(f"ranks save different iterations: {iterations}")
+            self._inflight.add(iteration)
+            sources.fill([layout])
+
+        sources = DeferredList(complete, f"local checkpoint {iteration}")
+        finalize = functools.partial(self._finalize_save, iteration)
+        preload = functools.partial(_on_host_resolved, sources)
+        return AsyncRequest(write_fn, (targets, sources), [finalize], preload_fn=preload)
+
+    def _save_now(self, layout: ShardLayout, my_id: CkptID) -> None:
+        """Replicate (if configured) and write every copy, agreed across ranks."""
+        strategy = self.repl_strategy
+        try:
+            if strategy is None:
+                write_fn, targets = self._write_request(my_id[0], [my_id])
+                agree("local checkpoint write", lambda: write_fn(targets, [layout]))
+                return
+            buffer = self._background.acquire(layout.size, default_timeouts().finalize)
+            try:
+                write_into(layout, buffer)
+                own = ShardBuffer(buffer, crc_of(buffer))
+                agree(
+                    "local checkpoint write",
+                    lambda: self._exchange_and_write(strategy, own, my_id),
+                )
+            finally:
+                self._background.release(buffer)
+        except CheckpointingException:
+            self._abandon(my_id[0])
+            raise
+
+    def _exchange_and_write(
+        self, strategy: ReplicationStrategy, own: ShardBuffer, my_id: CkptID
+    ) -> None:
+        """Replicate ``own`` and write every copy; this rank's own copy is written while
+        the exchange runs (disk and network in parallel)."""
+        iteration = my_id[0]
+        write_fn, own_target = self._write_request(iteration, [my_id])
+        with ThreadPoolExecutor(1, "resilient_ckpt-own-copy") as pool:
+            own_written = pool.submit(write_fn, own_target, [own])
+            states, ids = strategy.replicate(own, my_id)
+            ckpt_ids = [_as_ckpt_id(i) for i in ids]
+            if len(set(ckpt_ids)) != len(ckpt_ids) or my_id not in ckpt_ids:
+                raise SameMachineReplicationException(my_id)
+            write_fn, targets = self._write_request(iteration, ckpt_ids)
+            peers = [(t, s) for t, s in zip(targets, states, strict=True) if t.ckpt_id != my_id]
+            write_fn([t for t, _ in peers], [_shard_bytes(s) for _, s in peers])
+            own_written.result()
+
+    def _background_request(
+        self,
+        strategy: ReplicationStrategy,
+        layout: ShardLayout,
+        my_id: CkptID,
+        finalize: Callable[[], None],
+    ) -> AsyncRequest:
+        """Snapshot now; exchange and write in the trainer thread (see ``.._background``)."""
+        iteration = my_id[0]
+        buffer = self._background.acquire(layout.size, default_timeouts().finalize)
+        try:
+            write_into(layout, buffer)
+        except BaseException:
+            self._background.release(buffer)
+            raise
+        status = self._status_path(iteration)
+        job = functools.partial(self._replicate_and_write, strategy, buffer, my_id, status)
+        self._background.submit(job)
+        return AsyncRequest(wait_for_status, (status, default_timeouts().finalize), [finalize])
+
+    def _replicate_and_write(
+        self, strategy: ReplicationStrategy, buffer: torch.Tensor, my_id: CkptID, status: str
+    ) -> None:
+        error: BaseException | None = None
+        try:
+            self._exchange_and_write(strategy, ShardBuffer(buffer, crc_of(buffer)), my_id)
+        except BaseException as exc:
+            error = exc
+            logger.error("replicated save of %s failed: %s", my_id, exc)
+            # Before the verdict is written: on a full disk the copies written so far hold
+            # the space the status file needs, and a missing verdict is only noticed at the
+            # finalize deadline.
+            self._free_failed_copies(my_id[0])
+            raise
+        finally:
+            self._background.release(buffer)
+            write_status(status, error, sync=False)
+
+    def _copies(self, layout: ShardLayout, my_id: CkptID) -> tuple[list[Source], list[CkptID]]:
+        """What an async save's worker writes: this rank's layout or, replicated (inline
+        exchange), every clique member's serialized shard."""
+        if self.repl_strategy is None:
+            return [layout], [my_id]
+        buffer = serialize(layout)
+        states, ids = self.repl_strategy.replicate(ShardBuffer(buffer, crc_of(buffer)), my_id)
+        sources: list[Source] = [_shard_bytes(s) for s in states]
+        return sources, [_as_ckpt_id(i) for i in ids]
+
+    def _finalize_save(self, iteration: int) -> None:
+        try:
+            agree(f"commit of local checkpoint {iteration}", lambda: self._commit(iteration))
+        except CheckpointingException:
+            self._abandon(iteration)
+            raise
+        # The queue finalizes in order: an older save not finalized by now has failed.
+        self._inflight = {i for i in self._inflight if i > iteration}
+        self._newest_saved = max(self._newest_saved, iteration)
+        self.latest_iteration = -1
+        self._cleanup(iteration)
+        logger.info("committed local checkpoint iteration %d", iteration)
+
+    def _abandon(self, iteration: int) -> None:
+        self._inflight.discard(iteration)
+        try:
+            self._cleanup_failed_save(iteration)
+        except OSError as exc:
+            logger.warning("could not remove files of failed save %d: %s", iteration, exc)
+
+    # -- find_latest and load ---------------------------------------------------------------
+
+    def find_latest(self) -> int:
+        """The newest iteration whose every shard has a valid copy somewhere, or -1.
+
+        Cached until the next save (so the usual ``find_latest(); load()`` reads once).
+        All ranks call it at once.
+        """
+        if self.latest_iteration != -1:
+            return self.latest_iteration
+        started = time.perf_counter()
+        self._background.drain(default_timeouts().finalize)
+        self._drop_cache()
+        # Each rank's replication setup travels with its catalogue: cliques may differ in
+        # size (NVRx allows any partition), and a rank's copies are checked against its own.
+        _, scans = agree_gather(
+            "local checkpoint scan",
+            lambda: (None, (self._list_copies(set(self._inflight)), self._replication_params())),
+        )
+        catalogue = [scan[0] for scan in scans]
+        self._catalogue = catalogue
+        _catalogue.check_world_size(catalogue, self.world_size)
+        use_replicas = self.repl_strategy is not None
+        latest = -1
+        for iteration in _catalogue.candidate_iterations(catalogue, self.world_size, use_replicas):
+            for note in _catalogue.check_replication(
+                catalogue, iteration, [scan[1] for scan in scans]
+            ):
+                logger.warning("%s", note)
+            holders = self._verify_iteration(iteration, use_replicas)
+            if holders is not None:
+                latest = iteration
+                self.globally_available_ids = holders
+                break
+        self._discard_newer(latest)
+        self.latest_iteration = latest
+        logger.info("find_latest: iteration %d (%.3fs)", latest, time.perf_counter() - started)
+        return latest
+
+    def _try_verify(self, copy: CopyInfo, read: Any = None) -> bool:
+        try:
+            buffer = (read or self._read_copy)(copy)
+        except (CorruptCheckpointError, OSError) as exc:
+            logger.warning("bad local checkpoint file %s, treated as missing: %s", copy.path, exc)
+            return False
+        self._verified[self._ckpt_id(copy.iteration, copy.owner)] = buffer
+        return True
+
+    def _first_round(self, holder: int, iteration: int, use_replicas: bool) -> list[CopyInfo]:
+        """Copies ``holder`` verifies first: its own, and replicas of owners that hold none.
+
+        Decided from the catalogue alone, so every rank knows every rank's choice. After a
+        node loss this reads the lost shards at once, in parallel with the holder's own.
+        """
+        copies = _catalogue.copies_of(self._catalogue, holder, iteration)
+        if not use_replicas:
+            return [c for c in copies if c.owner == holder]
+        present = {
+            r
+            for r in range(self.world_size)
+            if _catalogue.find_copy(self._catalogue, r, iteration, r) is not None
+        }
+        return [c for c in copies if c.owner == holder or c.owner not in present]
+
+    def _verify_all(
+        self, copies: list[CopyInfo], forwarding: _Forwarding | None = None
+    ) -> list[int]:
+        """Owners of the ``copies`` whose checksums verify (read in parallel), with this
+        rank's own shard when ``forwarding`` brought it here verified."""
+        if forwarding is not None:
+            forwarding.post_receive()
+        check = self._try_verify if forwarding is None else forwarding.bind(self._try_verify)
+        if len(copies) <= 1:
+            owners = [c.owner for c in copies if check(c)]
+        else:
+            with ThreadPoolExecutor(min(len(copies), 4), "resilient_ckpt-verify") as pool:
+                results = list(pool.map(check, copies))
+            owners = [c.owner for c, ok in zip(copies, results, strict=True) if ok]
+        if forwarding is not None and forwarding.receive(
+            self._verified, self._ckpt_id(forwarding.iteration)
+        ):
+            owners.append(self.rank)
+        return owners
+
+    def _forwarding(self, iteration: int, use_replicas: bool) -> _Forwarding | None:
+        """The forwards of lost shards in this round (see ``replication._forward``); None
+        when every owner holds its copy or the clique cannot forward."""
+        if not use_replicas:
+            return None
+        world = self.world_size
+        present = {
+            r for r in range(world) if _catalogue.find_copy(self._catalogue, r, iteration, r)
+        }
+        if len(present) == world:
+            return None
+        clique = _forward.clique_for_forwarding(self.repl_strategy)
+        if clique is None:
+            return None
+        rounds = [self._first_round(h, iteration, use_replicas) for h in range(world)]
+        plan = _forward.forwards(rounds, present)
+        return _Forwarding(self.rank, iteration, plan, clique) if plan else None
+
+    def _verify_iteration(
+        self, iteration: int, use_replicas: bool
+    ) -> dict[int, list[CkptID]] | None:
+        """Holders of a verified copy of each shard (by rank), or None if a shard has none.
+
+        Round one verifies the copies of :meth:`_first_round`; a second round, only if some
+        shard is still without a verified copy (a corrupt owner copy), verifies the other
+        replicas of those shards.
+        """
+        me, world = self.rank, self.world_size
+        first = self._first_round(me, iteration, use_replicas)
+        forwarding = self._forwarding(iteration, use_replicas)
+        forwarded = forwarding is not None and forwarding.mine is not None
+        if use_replicas and not any(c.owner == me for c in first) and not forwarded:
+            self._expect_transfer(iteration)
+        _, verified = agree_gather(
+            "local checkpoint verification", lambda: (None, self._verify_all(first, forwarding))
+        )
+        owners_by_holder: list[list[int]] = [list(v) for v in verified]
+        missing = [r for r in range(world) if not any(r in v for v in verified)]
+        untried = [
+            [
+                c
+                for c in _catalogue.copies_of(self._catalogue, holder, iteration)
+                if c.owner in missing
+                and c not in self._first_round(holder, iteration, use_replicas)
+            ]
+            for holder in range(world)
+        ]
+        if use_replicas and any(untried):
+            _, more = agree_gather(
+                "local checkpoint replica verification",
+                lambda: (None, self._verify_all(untried[me])),
+            )
+            for holder, owners in enumerate(more):
+                owners_by_holder[holder].extend(owners)
+            missing = [r for r in missing if not any(r in o for o in more)]
+        if missing:
+            logger.warning(
+                "iteration %d is not complete: no valid copy of the shard(s) of rank(s) %s",
+                iteration,
+                missing,
+            )
+            self._drop_cache()
+            return None
+        return {
+            holder: [self._ckpt_id(iteration, owner) for owner in owners]
+            for holder, owners in enumerate(owners_by_holder)
+        }
+
+    def _expect_transfer(self, iteration: int) -> None:
+        """This rank holds no copy of its shard: prepare the buffer a peer will fill (while
+        the peers verify what they will send; see ``replication._chunked``)."""
+        for copies in self._catalogue:
+            for copy in copies:
+                if copy.iteration == iteration and copy.owner == self.rank:
+                    _chunked.reserve(copy.size)
+                    return
+
+    def _discard_newer(self, latest: int) -> None:
+        mine = self._catalogue[self.rank] if self._catalogue else []
+        stale = sorted({c.iteration for c in mine if c.iteration > latest} - self._inflight)
+        if stale:
+            logger.warning("deleting incomplete local checkpoint iteration(s) %s", stale)
+            self._discard(stale)
+
+    def load(self) -> tuple[TensorAwareStateDict, CkptID]:
+        """Load this rank's shard of the iteration ``find_latest`` found. Collective."""
+        if self.latest_iteration == -1:
+            raise CheckpointingException(
+                "load() needs a complete checkpoint: call find_latest() first (on every rank); "
+                "it returned -1 or was not called"
+            )
+        started = time.perf_counter()
+        self._background.drain(default_timeouts().finalize)
+        my_id = self._ckpt_id(self.latest_iteration)
+        try:
+            if self.repl_strategy is None:
+                buffer = agree("local checkpoint read", lambda: self._buffer_of(my_id))
+            else:
+                buffer = self._retrieve(my_id)
+            state = deserialize(buffer)
+            state.restore_tensor_device(non_blocking=False)
+        finally:
+            self._drop_cache()
+        logger.info(
+            "loaded local checkpoint %s: %d bytes in %.3fs",
+            my_id,
+            buffer.numel(),
+            time.perf_counter() - started,
+        )
+        return state, my_id
+
+    def _buffer_of(self, ckpt_id: CkptID) -> torch.Tensor:
+        cached = self._verified.get(ckpt_id)
+        if cached is not None:
+            return cached
+        copy = _catalogue.find_copy(self._catalogue, self.rank, ckpt_id[0], ckpt_id[1])
+        if copy is None:
+            raise CheckpointingException(f"rank {self.rank} holds no copy of {ckpt_id}")
+        return self._read_copy(copy)
+
+    def _retrieve(self, my_id: CkptID) -> torch.Tensor:
+        strategy = self.repl_strategy
+        if strategy is None:
+            raise CheckpointingException("no replication strategy")
+        plan = strategy.retrieve_plan(self.globally_available_ids, [my_id])
+        my_data: dict[Hashable, TensorAwareStateDict] = agree(
+            "local checkpoint read of copies to send",
+            lambda: {i: ShardBuffer(self._buffer_of(i)) for i in plan.required_ids()},  # type: ignore[arg-type]
+        )
+        received = strategy.retrieve_execute(plan, my_data)
+        shard = received[my_id]
+        buffer = shard.data if isinstance(shard, ShardBuffer) else serialize(plan_shard(shard))
+        sender = next(e.sender for e in plan.entries if e.receiver == self.rank and e.id_ == my_id)
+        if sender != self.rank:
+            arrived = shard.arrived_crc32 if isinstance(shard, ShardBuffer) else None
+            self._check_received(buffer, sender, my_id, arrived)
+        return buffer
+
+    def _check_received(
+        self, buffer: torch.Tensor, sender: int, ckpt_id: CkptID, arrived: int | None = None
+    ) -> None:
+        """Compare the received bytes with the sender's manifest; ``arrived`` is their CRC-32
+        measured during the transfer (None: compute it here)."""
+        copy = _catalogue.find_copy(self._catalogue, sender, ckpt_id[0], ckpt_id[1])
+        if copy is not None and copy.nvrx:
+            _nvrx_format.verify(_format.bytes_view(buffer), f"copy of {ckpt_id} from rank {sender}")
+        elif copy is not None and (crc_of(buffer) if arrived is None else arrived) != copy.crc32:
+            raise CorruptCheckpointError(
+                f"copy of {ckpt_id} received from rank {sender} does not match its checksum"
+            )
+        logger.info("received shard %s from rank %d (%d bytes)", ckpt_id, sender, buffer.numel())
+
+    def _drop_cache(self) -> None:
+        self._verified.clear()
+        _chunked.release_reserved()
+
+    # -- storage hooks ----------------------------------------------------------------------
+
+    @abstractmethod
+    def _list_copies(self, skip: set[int]) -> list[CopyInfo]:
+        """Committed copies held here (cheap checks only); remove leftovers of interrupted
+        saves except those of iterations in ``skip`` (saves in flight)."""
+
+    @abstractmethod
+    def _read_copy(self, copy: CopyInfo) -> torch.Tensor:
+        """The copy's bytes, verified; ``CorruptCheckpointError`` if they do not match."""
+
+    @abstractmethod
+    def _prepare_save(self, iteration: int) -> None:
+        """Make storage ready; raise if it is not writable or holds ``iteration`` or newer."""
+
+    @abstractmethod
+    def _write_request(
+        self, iteration: int, ckpt_ids: Sequence[CkptID]
+    ) -> tuple[Callable[..., None], list[Any]]:
+        """A module-level ``write(targets, sources)`` function and the targets of the copies."""
+
+    @abstractmethod
+    def _status_path(self, iteration: int) -> str:
+        """Where the trainer thread of a replicated async save reports its outcome."""
+
+    @abstractmethod
+    def _commit(self, iteration: int) -> None:
+        """Make this rank's copies of ``iteration`` visible (all ranks' writes succeeded)."""
+
+    @abstractmethod
+    def _cleanup(self, iteration: int) -> None:
+        """Retention after ``iteration`` was committed on every rank."""
+
+    @abstractmethod
+    def _cleanup_failed_save(self, iteration: int) -> None:
+        """Remove everything this rank wrote for ``iteration``, committed or not."""
+
+    @abstractmethod
+    def _free_failed_copies(self, iteration: int) -> None:
+        """Delete the uncommitted copies of a failed save (from the background thread)."""
+
+    @abstractmethod
+    def _discard(self, iterations: Sequence[int]) -> None:
+        """Delete this rank's files of ``iterations`` (found incomplete)."""

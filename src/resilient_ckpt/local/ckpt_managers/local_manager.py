@@ -66,6 +66,10 @@ def _file_iteration(name: str) -> int | None:
 class LocalCheckpointManager(BaseCheckpointManager):
     """Local checkpoints on node-local storage (SSD, RAM disk), NVRx-compatible.
 
+    The collective ``save``, ``warmup``, ``find_latest`` and ``load`` are those of
+    :class:`~.base_manager.BaseCheckpointManager`; this class implements its storage hooks
+    for files in per-rank directories.
+
     Args:
         root_local_ckpt_dir: root directory; each rank uses ``<root>/<session_id>/<rank>``.
         session_id: separates the checkpoints of different jobs under one root.
