@@ -25,6 +25,7 @@ A changed structure gives a new plan (the cache misses and re-plans), hence new 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import operator
@@ -42,7 +43,6 @@ from ..errors import CheckpointingException, ConfigurationError
 from ._batch import SourcedBatch, TensorBatch
 from ._dcp_resolve import direct_lookup, quick_sources, resolve_blob, resolve_sources
 from ._dcp_write import WriteBucket
-from ._list_hooks import call_first
 
 _CACHE_SIZE = 4
 
@@ -218,7 +218,19 @@ _RESOLVING = (
     "__iadd__", "__imul__", "__setitem__", "__delitem__", "append", "extend", "insert", "pop",
     "remove", "clear", "index", "count", "copy", "sort", "reverse",
 )  # fmt: skip
-call_first(ItemTensors, _RESOLVING, operator.methodcaller("_materialize"))
+
+
+def _resolving_first(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self: ItemTensors, *args: Any, **kwargs: Any) -> Any:
+        self._materialize()
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+for _name in _RESOLVING:
+    setattr(ItemTensors, _name, _resolving_first(getattr(list, _name)))
 
 
 class _Skeleton:

@@ -42,7 +42,6 @@ from .._logging import get_logger
 from ..config import RetryPolicy
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.commit import atomic_file
-from ._encoded_results import encode
 from ._item_reader import ITEM_ALIGNMENT
 
 logger = get_logger(__name__)
@@ -85,8 +84,7 @@ class WriteJob:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One written data file: its name, size, CRC32 and the DCP results of its items (an
-    ``EncodedResults``: pickled once, as bytes, see :mod:`._encoded_results`)."""
+    """One written data file: its name, size, CRC32 and the DCP results of its items."""
 
     name: str
     size: int
@@ -236,4 +234,4 @@ def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
                 stream.align(ITEM_ALIGNMENT)
             results.append(write_item(job.transforms, stream, compact(tensor), item, name))
         stream.flush()
-    return FileRecord(name, stream.size, stream.crc32, encode(results))
+    return FileRecord(name, stream.size, stream.crc32, results)

@@ -25,7 +25,6 @@ from ..errors import CheckpointWriteError
 from ..storage.commit import RecordCommit
 from ._dcp_run import discard_report, load_report
 from ._dcp_write import WriteJob
-from ._encoded_results import join
 
 logger = get_logger(__name__)
 
@@ -123,8 +122,7 @@ class CommitSteps:
         report = load_report(self._job)
         self.written_files = checked_files(report, self._expected_files, self.checkpoint_dir)
         discard_report(self._job)
-        # Pickled for the gather, the list is its files' bytes (see _encoded_results).
-        return join(record.results for record in report.files)
+        return [result for record in report.files for result in record.results]
 
     def finish(
         self,

@@ -19,10 +19,8 @@ Call protocol (every rank; "trainer" is the training process):
    a per-rank results file (``__<rank>.write_results``, removed once read unless it reports
    a failure).
 5. ``retrieve_write_results()`` (trainer, finalize): this rank's ``WriteResult`` list, read
-   back from the results file (a list that pickles as the bytes the background write made
-   of it, see :mod:`._encoded_results`); raises
-   :class:`~resilient_ckpt.errors.CheckpointWriteError` when the write failed or did not
-   report.
+   back from the results file; raises :class:`~resilient_ckpt.errors.CheckpointWriteError`
+   when the write failed or did not report.
 6. ``finish(metadata, results)`` (coordinator, finalize, after all ranks succeeded): writes
    the commit record ``.metadata`` last, atomically (temporary name, fsync, rename, directory
    fsync), including a table of every data file's size and CRC32 that ``dcp.load`` ignores and
