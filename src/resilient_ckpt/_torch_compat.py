@@ -15,10 +15,10 @@ Private names held here ("tested with 2.13": the release CI runs; the package su
 
 ``torch.distributed.checkpoint.filesystem._write_item`` (:func:`write_item`)
     Serialises one DCP item into a data file exactly as ``FileSystemWriter`` does, so our
-    files are byte-identical to torch's (its parameters grew from 4 in 2.4 to 6 in 2.7;
-    the call adapts). Tested with 2.13. Fallback: the same steps with public calls (the
-    writer's stream transforms, ``torch.save`` of the tensor or the raw bytes, a
-    ``WriteResult`` locating them).
+    files are byte-identical to torch's (its parameters grew over releases, from 4 to 6;
+    the call adapts to the signature it finds). Tested with 2.13. Fallback: the same steps
+    with public calls (the writer's stream transforms, ``torch.save`` of the tensor or the
+    raw bytes, a ``WriteResult`` locating them).
 ``torch.distributed.checkpoint.filesystem._StorageInfo`` (:func:`storage_info`)
     Where an item lies in a data file (path, offset, length), as the metadata of every DCP
     checkpoint pickles it and ``FileSystemReader`` reads it. Used by the ``write_item``
@@ -42,20 +42,20 @@ Private names held here ("tested with 2.13": the release CI runs; the package su
 (:func:`pending_sparse_tensors`, :func:`validate_loaded_sparse_tensors`)
     What ``torch.load`` does after unpickling, done after unpickling a staged request: torch's
     sparse-tensor rebuild queues each sparse tensor on that process-wide list for validation.
-    Tested with 2.13. Fallback: nothing queued, nothing to validate (a torch without the list
-    validates while rebuilding).
+    Tested with 2.13. Fallback: a torch without the list queues nothing, so there is nothing
+    to clear or validate.
 ``torch._C._cuda_hasPrimaryContext`` (:func:`cuda_devices_with_context`)
     Which CUDA devices this process already uses, without creating a context on the others.
-    Tested with 2.13 (CPU builds lack it, so CI takes the fallback). Fallback: the current
-    device only; a copy from another device then waits for that whole device
-    (``async_ckpt/_device_copy.py``), slower but ordered.
+    Tested with 2.13 (CPU builds lack it: CI runs the fallback, and the private branch with
+    a stand-in for it). Fallback: the current device only; a copy from another device then
+    waits for that whole device (``async_ckpt/_device_copy.py``), slower but ordered.
 ``torch.distributed._tensor`` (``DTensor``, ``Replicate``, ``Shard``, ``distribute_tensor``)
     Where torch 2.4 keeps the DTensor classes; the public ``torch.distributed.tensor`` path
-    is used from 2.5 on. Tested with 2.4.1 and 2.13.
+    is used from 2.5 on (tested with 2.13, which takes the public path).
 
 Names here are imported on first use: this module is imported by the background worker,
-which must not pay for ``torch.distributed.checkpoint`` or DTensor (about a second) unless
-it uses them.
+which must not pay for importing ``torch.distributed.checkpoint`` or DTensor unless it
+uses them.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def write_item(
 ) -> WriteResult:
     """Serialise one DCP item (a CPU tensor holding exactly its bytes, or a ``BytesIO``) at
     the stream's position, as ``FileSystemWriter`` does; where it landed, as a result.
-    ``transforms`` is the writer's ``transforms`` attribute (torch 2.7 and later)."""
+    ``transforms`` is the writer's ``transforms`` attribute (None on releases without one)."""
     return _write_item()(transforms, stream, data, item, storage_key)
 
 
@@ -211,8 +211,9 @@ class _StorageInfo:
 def storage_info(
     relative_path: str, offset: int, length: int, transform_descriptors: Sequence[str] = ()
 ) -> Any:
-    """Where an item lies in a data file, as DCP metadata records it (torch 2.4's class has
-    no ``transform_descriptors``; none are passed where there are none)."""
+    """Where an item lies in a data file, as DCP metadata records it (releases before
+    stream transforms have no ``transform_descriptors``: none are passed where there are
+    none)."""
     if transform_descriptors:
         return _storage_info_class()(
             relative_path, offset, length, transform_descriptors=list(transform_descriptors)
