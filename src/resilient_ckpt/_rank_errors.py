@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.api import _wrap_exception
 
 from .errors import (
     AsyncCallFailedError,
@@ -50,6 +49,7 @@ __all__ = [
     "RankWorkerDiedError",
     "error_class_for",
     "from_checkpoint_exception",
+    "is_wrapped_failure",
     "wrap_for_gather",
 ]
 
@@ -118,8 +118,30 @@ def remote_failure(message: str, tb: str = "") -> Any:
     return (exc, traceback.StackSummary())
 
 
+def _wrap_exception(exc: BaseException) -> Any:
+    """torch's failure pair (``CheckpointException.failures`` values): the exception and the
+    summary of its traceback, frames without their code objects (Python 3.13+ keeps one
+    per frame, and it does not pickle), as torch's own private helper makes it."""
+    summary = traceback.extract_tb(exc.__traceback__)
+    for frame in summary:
+        if getattr(frame, "_code", None) is not None:
+            object.__setattr__(frame, "_code", None)
+    return exc, summary
+
+
+def is_wrapped_failure(obj: Any) -> bool:
+    """Whether ``obj`` is a failure pair as :func:`wrap_for_gather` makes it (what NVRx-style
+    writers may return from ``retrieve_write_results`` instead of raising)."""
+    return (
+        isinstance(obj, tuple)
+        and len(obj) == 2
+        and isinstance(obj[0], BaseException)
+        and isinstance(obj[1], traceback.StackSummary)
+    )
+
+
 def wrap_for_gather(exc: BaseException) -> Any:
-    """``(exception, stack summary)`` as torch's ``_wrap_exception`` makes it, made safe to
+    """``(exception, stack summary)`` as torch's failures hold it, made safe to
     pickle, because ``gather_object`` pickles it on the failing rank: a pickling error
     there would leave the other ranks waiting in the gather instead of reporting the
     failure (NVRx's ``filesystem_async._wrap_exception_for_gather``).

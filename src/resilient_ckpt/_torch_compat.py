@@ -1,33 +1,115 @@
-"""What differs between the torch releases the package supports (``torch>=2.4``).
+"""Every torch name the package uses that torch does not promise to keep, and what differs
+between the torch releases it supports (``torch>=2.4``).
 
-One place for the names that moved or appeared after 2.4, so the rest of the package
-imports them from here and reads the same on every release. (Torch 2.3's DCP lacks what the
-async writer and readers build on, ``StorageMeta`` first: see the README, "Supported torch
-releases".)
+Decision: the rest of the package uses torch's public API only. Where the job needs a
+private name (one torch may rename or drop in any release), it is reached here, through a
+small function, and nowhere else; each has a fallback built on public API, correct where
+the private name is gone, if slower or less informed. Each fallback is tested by making the
+name disappear (``tests/unit/test_torch_compat.py``). The alternative, vendoring copies of
+the private functions, would freeze today's behaviour where torch changes it on purpose
+(the byte layout of a DCP file, the names its metadata pickles), so the private name stays
+first wherever it exists.
+
+Private names held here ("tested with 2.13": the release CI runs; the package supports
+2.4.1, 2.5.1, 2.11 and 2.13):
+
+``torch.distributed.checkpoint.filesystem._write_item`` (:func:`write_item`)
+    Serialises one DCP item into a data file exactly as ``FileSystemWriter`` does, so our
+    files are byte-identical to torch's (its parameters grew over releases, from 4 to 6;
+    the call adapts to the signature it finds). Tested with 2.13. Fallback: the same steps
+    with public calls (the writer's stream transforms, ``torch.save`` of the tensor or the
+    raw bytes, a ``WriteResult`` locating them).
+``torch.distributed.checkpoint.filesystem._StorageInfo`` (:func:`storage_info`)
+    Where an item lies in a data file (path, offset, length), as the metadata of every DCP
+    checkpoint pickles it and ``FileSystemReader`` reads it. Used by the ``write_item``
+    fallback only. Tested with 2.13. Fallback: a dataclass of the same fields, which the
+    readers use by attribute.
+``torch.distributed.checkpoint.filesystem._StoragePrefix`` (:func:`storage_prefix`,
+:func:`prefix_of`)
+    The ``storage_data`` of a save plan naming a rank's file prefix (``__<rank>_``), as
+    ``FileSystemWriter.prepare_global_plan`` (which our writer inherits) sets it. Tested
+    with 2.13. Fallback: a dataclass with ``prefix``; any plan value carrying a ``prefix``
+    string is accepted.
+``torch.storage._dtype_to_storage_type_map`` (:func:`storage_type_dtypes`)
+    The legacy storage names (``"FloatStorage"``) that ``torch.save`` pickles for each dtype,
+    read back by the archive reader of ``async_ckpt/_item_reader.py``. Tested with 2.13.
+    Fallback: the same table written out (torch froze it: new dtypes are saved another way).
+``torch.distributed._shard.sharded_tensor.ShardedTensor`` (:func:`is_sharded_tensor`)
+    Recognises a (deprecated) ``ShardedTensor`` value in a state dict; no public path
+    exports the class. Tested with 2.13. Fallback: nothing is one (a torch without the
+    class cannot make one).
+``torch._utils._sparse_tensors_to_validate``, ``torch._utils._validate_loaded_sparse_tensors``
+(:func:`pending_sparse_tensors`, :func:`validate_loaded_sparse_tensors`)
+    What ``torch.load`` does after unpickling, done after unpickling a staged request: torch's
+    sparse-tensor rebuild queues each sparse tensor on that process-wide list for validation.
+    Tested with 2.13. Fallback: a torch without the list queues nothing, so there is nothing
+    to clear or validate.
+``torch._C._cuda_hasPrimaryContext`` (:func:`cuda_devices_with_context`)
+    Which CUDA devices this process already uses, without creating a context on the others.
+    Tested with 2.13 (CPU builds lack it: CI runs the fallback, and the private branch with
+    a stand-in for it). Fallback: the current device only; a copy from another device then
+    waits for that whole device (``async_ckpt/_device_copy.py``), slower but ordered.
+``torch.distributed._tensor`` (``DTensor``, ``Replicate``, ``Shard``, ``distribute_tensor``)
+    Where torch 2.4 keeps the DTensor classes; the public ``torch.distributed.tensor`` path
+    is used from 2.5 on (tested with 2.13, which takes the public path).
+
+Names here are imported on first use: this module is imported by the background worker,
+which must not pay for importing ``torch.distributed.checkpoint`` or DTensor unless it
+uses them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.planner import WriteItem
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 __all__ = [
     "DTensor",
     "Replicate",
     "Shard",
+    "cuda_devices_with_context",
     "distribute_tensor",
     "has_stream_transforms",
+    "is_sharded_tensor",
     "no_dist_kwargs",
+    "pending_sparse_tensors",
+    "prefix_of",
+    "storage_info",
+    "storage_prefix",
+    "storage_type_dtypes",
+    "validate_loaded_sparse_tensors",
+    "write_item",
 ]
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-except ImportError:  # torch < 2.5: the same classes under their private module
-    from torch.distributed._tensor import (  # type: ignore[no-redef]
-        DTensor,
-        Replicate,
-        Shard,
-        distribute_tensor,
-    )
+
+def __getattr__(name: str) -> Any:
+    if name not in ("DTensor", "Replicate", "Shard", "distribute_tensor"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    except ImportError:  # torch < 2.5: the same classes under their private module
+        from torch.distributed._tensor import (  # type: ignore[no-redef]
+            DTensor,
+            Replicate,
+            Shard,
+            distribute_tensor,
+        )
+    names = {"DTensor": DTensor, "Replicate": Replicate, "Shard": Shard}
+    globals().update(names, distribute_tensor=distribute_tensor)
+    return globals()[name]
+
+
+# -- torch releases ---------------------------------------------------------------------------
 
 
 def has_stream_transforms(storage_data: Any, items: Any) -> bool:
@@ -42,6 +124,237 @@ def no_dist_kwargs(dcp_call: Any) -> dict[str, bool]:
     """Keyword arguments making ``dcp.save`` / ``dcp.load`` (``dcp_call``) run in this
     process alone: ``no_dist=True`` where the call takes it (torch 2.6 and later); none
     before, where the call runs alone whenever no default process group is initialised."""
-    import inspect
-
     return {"no_dist": True} if "no_dist" in inspect.signature(dcp_call).parameters else {}
+
+
+# -- DCP data files ---------------------------------------------------------------------------
+
+
+def write_item(
+    transforms: Any, stream: Any, data: Any, item: WriteItem, storage_key: str
+) -> WriteResult:
+    """Serialise one DCP item (a CPU tensor holding exactly its bytes, or a ``BytesIO``) at
+    the stream's position, as ``FileSystemWriter`` does; where it landed, as a result.
+    ``transforms`` is the writer's ``transforms`` attribute (None on releases without one)."""
+    return _write_item()(transforms, stream, data, item, storage_key)
+
+
+@functools.cache
+def _write_item() -> Callable[..., WriteResult]:
+    return _load_write_item()
+
+
+def _load_write_item() -> Callable[..., WriteResult]:
+    try:
+        from torch.distributed.checkpoint.filesystem import _write_item as private
+    except ImportError:
+        return _write_item_public
+    params = list(inspect.signature(private).parameters)
+    if len(params) >= 6:
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        return functools.partial(_call_write_item_6, private, SerializationFormat.TORCH_SAVE)
+    if len(params) == 5:
+        return private
+    return functools.partial(_call_write_item_4, private)
+
+
+def _call_write_item_6(
+    private: Any, fmt: Any, transforms: Any, stream: Any, data: Any, item: Any, key: str
+) -> WriteResult:
+    return private(transforms, stream, data, item, key, fmt)
+
+
+def _call_write_item_4(
+    private: Any, transforms: Any, stream: Any, data: Any, item: Any, key: str
+) -> WriteResult:
+    return private(stream, data, item, key)
+
+
+def _write_item_public(
+    transforms: Any, stream: Any, data: Any, item: WriteItem, storage_key: str
+) -> WriteResult:
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    offset = stream.tell()
+    transform = getattr(transforms, "transform_save_stream", None)
+    # torch's transforms wrap the stream so that closing the wrapper leaves it open.
+    out, descriptors = transform(item, stream) if transform is not None else (stream, [])
+    if item.type == WriteItemType.BYTE_IO:
+        out.write(data.getbuffer())
+    else:
+        torch.save(data, out)
+    if out is not stream:
+        out.close()
+    length = stream.tell() - offset
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=length,
+        storage_data=storage_info(storage_key, offset, length, descriptors),
+    )
+
+
+@dataclasses.dataclass
+class _StorageInfo:
+    """The fallback of torch's ``_StorageInfo``: the same fields, pickled the same way."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: Sequence[str] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def storage_info(
+    relative_path: str, offset: int, length: int, transform_descriptors: Sequence[str] = ()
+) -> Any:
+    """Where an item lies in a data file, as DCP metadata records it (releases before
+    stream transforms have no ``transform_descriptors``: none are passed where there are
+    none)."""
+    if transform_descriptors:
+        return _storage_info_class()(
+            relative_path, offset, length, transform_descriptors=list(transform_descriptors)
+        )
+    return _storage_info_class()(relative_path, offset, length)
+
+
+@functools.cache
+def _storage_info_class() -> type:
+    return _load_storage_info_class()
+
+
+def _load_storage_info_class() -> type:
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo as private
+    except ImportError:
+        return _StorageInfo
+    return private
+
+
+@dataclasses.dataclass
+class _StoragePrefix:
+    """The fallback of torch's ``_StoragePrefix``."""
+
+    prefix: str
+
+
+def storage_prefix(prefix: str) -> Any:
+    """A save plan's ``storage_data`` naming its rank's data files ``<prefix><k>.distcp``."""
+    return _storage_prefix_class()(prefix)
+
+
+def prefix_of(storage_data: Any) -> str | None:
+    """The file prefix a final save plan's ``storage_data`` names, or None if it names none
+    (the plan did not go through the writer's ``prepare_global_plan``)."""
+    cls = _storage_prefix_class()
+    if cls is _StoragePrefix:  # torch's class is gone: accept whatever carries a prefix
+        prefix = getattr(storage_data, "prefix", None)
+        return prefix if isinstance(prefix, str) else None
+    return storage_data.prefix if isinstance(storage_data, cls) else None
+
+
+@functools.cache
+def _storage_prefix_class() -> type[Any]:
+    return _load_storage_prefix_class()
+
+
+def _load_storage_prefix_class() -> type[Any]:
+    try:
+        from torch.distributed.checkpoint.filesystem import _StoragePrefix as private
+    except ImportError:
+        return _StoragePrefix
+    return private
+
+
+def storage_type_dtypes() -> dict[str, torch.dtype]:
+    """``"FloatStorage"`` -> ``torch.float32``, ...: the legacy storage names ``torch.save``
+    writes for a storage's dtype (from torch's own table; touching the legacy classes
+    would warn)."""
+    return dict(_storage_type_dtypes())
+
+
+@functools.cache
+def _storage_type_dtypes() -> dict[str, torch.dtype]:
+    return _load_storage_type_dtypes()
+
+
+def _load_storage_type_dtypes() -> dict[str, torch.dtype]:
+    table = getattr(torch.storage, "_dtype_to_storage_type_map", None)
+    pairs = table().items() if table is not None else _LEGACY_STORAGE_NAMES.items()
+    return {name: dtype for dtype, name in pairs}
+
+
+# torch's table, frozen by torch (dtypes added later are saved as untyped storage + dtype).
+_LEGACY_STORAGE_NAMES = {
+    torch.double: "DoubleStorage",
+    torch.float: "FloatStorage",
+    torch.half: "HalfStorage",
+    torch.long: "LongStorage",
+    torch.int: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.cdouble: "ComplexDoubleStorage",
+    torch.cfloat: "ComplexFloatStorage",
+    torch.qint8: "QInt8Storage",
+    torch.qint32: "QInt32Storage",
+    torch.quint8: "QUInt8Storage",
+    torch.quint4x2: "QUInt4x2Storage",
+    torch.quint2x4: "QUInt2x4Storage",
+}
+
+
+# -- state dict values ------------------------------------------------------------------------
+
+
+def is_sharded_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a ``ShardedTensor`` (torch's deprecated sharded type)."""
+    cls = _sharded_tensor_class()
+    return cls is not None and isinstance(obj, cls)
+
+
+@functools.cache
+def _sharded_tensor_class() -> type | None:
+    return _load_sharded_tensor_class()
+
+
+def _load_sharded_tensor_class() -> type | None:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:
+        return None
+    return ShardedTensor
+
+
+# -- unpickling staged tensors ----------------------------------------------------------------
+
+
+def pending_sparse_tensors() -> list[Any]:
+    """The process-wide list of sparse tensors rebuilt by unpickling and not validated yet
+    (clear it when the unpickling failed: it would keep them alive)."""
+    return getattr(torch._utils, "_sparse_tensors_to_validate", [])
+
+
+def validate_loaded_sparse_tensors() -> None:
+    """Validate (and forget) the sparse tensors unpickling rebuilt, as ``torch.load`` does."""
+    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if validate is not None:
+        validate()
+
+
+# -- CUDA -------------------------------------------------------------------------------------
+
+
+def cuda_devices_with_context() -> list[int]:
+    """The CUDA devices this process has a context on (the current one at least), found
+    without creating one on any other device."""
+    current = torch.cuda.current_device()
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None:
+        return [current]
+    return sorted({current, *(d for d in range(torch.cuda.device_count()) if has_context(d))})

@@ -52,7 +52,7 @@ def item_nbytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
     numel = math.prod(item.tensor_data.chunk.sizes)
-    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return numel * item.tensor_data.properties.dtype.itemsize
 
 
 def split_balanced(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:

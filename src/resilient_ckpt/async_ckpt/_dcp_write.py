@@ -7,12 +7,12 @@ forked child, or the trainer itself for ``execute_sync``) runs
 
 Decisions:
 
-* **Byte-identical files.** Each item is serialised by torch's own ``_write_item``, bytes
-  items first, then tensors in plan order, exactly as ``FileSystemWriter`` does with one
-  thread in a process without CUDA (and as NVRx's writer does); tensors whose storage is
-  larger than their bytes are compacted first, as torch does. Where CUDA is available,
-  torch's one-thread writer orders a file's tensors by size instead (its overlapping
-  loader): the same checkpoint, other bytes.
+* **Byte-identical files.** Each item is serialised by torch's own item writer (reached
+  through :mod:`.._torch_compat`), bytes items first, then tensors in plan order, exactly as
+  ``FileSystemWriter`` does with one thread in a process without CUDA (and as NVRx's
+  writer does); tensors whose storage is larger than their bytes are compacted first, as
+  torch does. Where CUDA is available, torch's one-thread writer orders a file's tensors by
+  size instead (its overlapping loader): the same checkpoint, other bytes.
 * **Checksums while writing.** A thin stream wrapper feeds every written buffer to the
   fastest installed CRC-32 (:mod:`.._checksum`: ISA-L with the ``fast`` extra, ~3x zlib's
   speed, same values; all release the GIL), so each file's size and CRC32 cost no extra
@@ -23,22 +23,19 @@ Running the lanes of files and the results file: :mod:`._dcp_run`.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import io
 import os
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import _write_item
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._checksum import crc32
 from .._logging import get_logger
+from .._torch_compat import write_item
 from ..config import RetryPolicy
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.commit import atomic_file
@@ -187,29 +184,6 @@ class ChecksumStream:
 
     def writable(self) -> bool:
         return True
-
-
-def _write_item_call() -> Callable[..., WriteResult]:
-    """torch's ``_write_item`` across versions (its parameters grew over time)."""
-    params = list(inspect.signature(_write_item).parameters)
-    if len(params) >= 6:
-        from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-        return functools.partial(_call_write_item_6, SerializationFormat.TORCH_SAVE)
-    if len(params) == 5:
-        return _write_item
-    return _call_write_item_4
-
-
-def _call_write_item_6(fmt: Any, transforms: Any, stream: Any, data: Any, item: Any, key: str):
-    return _write_item(transforms, stream, data, item, key, fmt)  # type: ignore[call-arg]
-
-
-def _call_write_item_4(transforms: Any, stream: Any, data: Any, item: Any, key: str):
-    return _write_item(stream, data, item, key)  # type: ignore[call-arg, arg-type]
-
-
-write_item = _write_item_call()
 
 
 def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._torch_compat import cuda_devices_with_context
 from ..errors import StagingError
 from ._arena import Arena
 from ._messages import Slot
@@ -172,15 +173,6 @@ def make_side_streams(devices: Sequence[int]) -> None:
         _side_stream(device)
 
 
-def _devices_in_use() -> list[int]:
-    """The CUDA devices this process has a context on (the current one at least)."""
-    current = torch.cuda.current_device()
-    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    if has_context is None:
-        return [current]
-    return sorted({current, *(d for d in range(torch.cuda.device_count()) if has_context(d))})
-
-
 class DeviceOrder:
     """Made in the save call, on the trainer's thread (CUDA initialised): an event on the
     current stream of every device in use, and the current device. :meth:`adopt` and
@@ -189,7 +181,7 @@ class DeviceOrder:
     def __init__(self) -> None:
         self.device = torch.cuda.current_device()
         self._events: dict[int, torch.cuda.Event] = {}
-        for device in _devices_in_use():
+        for device in cuda_devices_with_context():
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self._events[device] = event

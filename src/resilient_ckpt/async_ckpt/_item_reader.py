@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from .._torch_compat import storage_type_dtypes
 from ..errors import CorruptCheckpointError
 
 __all__ = ["ITEM_ALIGNMENT", "byte_view", "item_tensor", "map_file", "read_items"]
@@ -47,11 +47,8 @@ _CENTRAL = struct.Struct("<4s6xH12xIHHH8xI")  # sig, method, size, name/extra/co
 _LOCAL = struct.Struct("<4s22xHH")  # signature, file name length, extra field length
 _ZIP64_MARK = 0xFFFFFFFF
 
-# "FloatStorage" -> torch.float32, ...: the names torch.save writes for a storage's dtype
-# (read from torch's own table; touching the legacy classes would warn).
-_STORAGE_DTYPES = {
-    name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()
-}
+# "FloatStorage" -> torch.float32, ...: the names torch.save writes for a storage's dtype.
+_STORAGE_DTYPES = storage_type_dtypes()
 
 
 class _Unsupported(Exception):
@@ -261,7 +258,7 @@ def _copy_item(piece: torch.Tensor, req: ReadItem, target: torch.Tensor, where: 
             target.reshape(-1).view(torch.uint8).copy_(record.raw)
         return
     saved = record.tensor() if record is not None else item_tensor(piece)
-    tensor = narrow_tensor_by_index(saved, req.storage_offsets, req.lengths)
+    tensor = _narrow(saved, req.storage_offsets, req.lengths)
     if target.size() != tensor.size():
         raise CorruptCheckpointError(
             f"{where}: item {req.storage_index} has size {tuple(tensor.size())}, "
@@ -269,6 +266,15 @@ def _copy_item(piece: torch.Tensor, req: ReadItem, target: torch.Tensor, where: 
             path=where,
         )
     target.copy_(tensor)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The chunk of ``tensor`` a read request names, as torch's readers narrow it: a view,
+    narrowed only along the dimensions the chunk does not span whole."""
+    for dim, (offset, size) in enumerate(zip(offsets, sizes, strict=False)):
+        if size < tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, size)
+    return tensor
 
 
 def map_file(path: str) -> torch.Tensor:

@@ -174,9 +174,7 @@ class Planning:
     def signature(self) -> bytes:
         flat = getattr(self.planner, "state_dict", None)
         if not isinstance(flat, Mapping):
-            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-            flat, _ = flatten_state_dict(self.state_dict)
+            flat = _flattened(self.state_dict)
         return structure_signature(flat, self.context())
 
     def local_step(self) -> SavePlan:
@@ -239,3 +237,13 @@ def is_decentralized(planner: Any, writer: Any) -> bool:
     return bool(getattr(planner, "can_run_decentralized_global_plan", False)) and bool(
         getattr(writer, "can_run_decentralized_global_plan", False)
     )
+
+
+def _flattened(state_dict: STATE_DICT_TYPE) -> Mapping[str, Any]:
+    """``state_dict`` flattened to dotted keys as torch's default save planner flattens it
+    (nested dicts and lists; sharded tensors left whole)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(flatten_state_dict=True, flatten_sharded_tensors=False)
+    planner.set_up_planner(state_dict, is_coordinator=False)
+    return planner.state_dict

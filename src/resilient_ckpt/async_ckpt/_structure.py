@@ -20,9 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from .._torch_compat import DTensor
+from .._torch_compat import DTensor, is_sharded_tensor
 from ..errors import ConfigurationError
 
 
@@ -56,7 +55,7 @@ def _describe(fqn: str, obj: Any) -> Any:
             f"D|{fqn}|{tuple(obj.shape)}|{obj.dtype}|{obj.requires_grad}|"
             f"{tuple(mesh.shape)}|{mesh.get_coordinate()}|{obj.placements}"
         )
-    if isinstance(obj, ShardedTensor):
+    if is_sharded_tensor(obj):
         md = obj.metadata()
         shards = [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in obj.local_shards()]
         return f"S|{fqn}|{tuple(md.size)}|{md.tensor_properties.dtype}|{shards}"

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import pending_sparse_tensors, validate_loaded_sparse_tensors
 from ..errors import StagingError
 from ._arena import Arena
 from ._messages import Slot
@@ -68,24 +69,14 @@ def unstage(payload: bytes, arena: Arena | None, slots: tuple[Slot, ...]) -> Any
     try:
         obj = pickle.loads(payload)
     except BaseException:
-        _pending_sparse().clear()
+        pending_sparse_tensors().clear()
         raise
     finally:
         _unstaging.arena, _unstaging.slots, _unstaging.storages = None, (), None
-    _validate_sparse()
+    # What torch.load does after unpickling: torch's sparse-tensor rebuild puts every sparse
+    # tensor on a process-wide list to validate once its storages are loaded. Not emptied
+    # here, the list would keep them (and the arena memory they view) alive until some later
+    # torch.load in this process validates them, by then over reused memory (torch 2.5 then
+    # fails that unrelated load: "size is inconsistent with indices").
+    validate_loaded_sparse_tensors()
     return obj
-
-
-def _pending_sparse() -> list:
-    return getattr(torch._utils, "_sparse_tensors_to_validate", [])
-
-
-def _validate_sparse() -> None:
-    """What ``torch.load`` does after unpickling: torch's sparse-tensor rebuild puts every
-    sparse tensor on a process-wide list to validate once its storages are loaded. Not
-    emptied here, the list would keep them (and the arena memory they view) alive until some
-    later ``torch.load`` in this process validates them, by then over reused memory (torch
-    2.5 then fails that unrelated load: "size is inconsistent with indices")."""
-    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
-    if validate is not None:
-        validate()

@@ -46,7 +46,6 @@ import uuid
 from typing import Any, ClassVar
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -54,6 +53,7 @@ from torch.futures import Future
 from .. import _dist
 from .._logging import get_logger
 from .._rank_errors import wrap_for_gather as _wrap_exception_for_gather  # noqa: F401 (NVRx name)
+from .._torch_compat import prefix_of, storage_prefix
 from ..config import RetryPolicy
 from ..errors import (
     CheckpointExistsError,
@@ -210,12 +210,12 @@ class FileSystemWriterAsync(CommitSteps, FileSystemWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.rank is not None and not self.use_collectives:
-            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+            plan = dataclasses.replace(plan, storage_data=storage_prefix(f"__{self.rank}_"))
         return plan
 
     def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
         """The coordinator would name this rank's files ``__<rank>_``; do it locally."""
-        return dataclasses.replace(local_plan, storage_data=_StoragePrefix(f"__{self._rank()}_"))
+        return dataclasses.replace(local_plan, storage_data=storage_prefix(f"__{self._rank()}_"))
 
     def _rank(self) -> int:
         if self.rank is not None:
@@ -226,8 +226,8 @@ class FileSystemWriterAsync(CommitSteps, FileSystemWriter):
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Resolve the final plan's items and group them into per-file write buckets."""
-        storage = plan.storage_data
-        if not isinstance(storage, _StoragePrefix):
+        prefix = prefix_of(plan.storage_data)
+        if prefix is None:
             raise ConfigurationError(
                 "the final save plan has no storage prefix; plan with "
                 "save_state_dict_async_plan (it runs prepare_global_plan)"
@@ -235,7 +235,7 @@ class FileSystemWriterAsync(CommitSteps, FileSystemWriter):
         buckets = build_buckets(
             plan,
             planner,
-            prefix=storage.prefix,
+            prefix=prefix,
             join=self._backend.join,
             checkpoint_dir=self.checkpoint_dir,
             thread_count=self.thread_count,

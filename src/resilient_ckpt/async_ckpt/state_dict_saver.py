@@ -34,7 +34,6 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.api import _is_wrapped_exception
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -44,7 +43,12 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from .. import _dist
 from .._gc_pause import collector_paused
 from .._logging import get_logger
-from .._rank_errors import RankFailureError, from_checkpoint_exception, wrap_for_gather
+from .._rank_errors import (
+    RankFailureError,
+    from_checkpoint_exception,
+    is_wrapped_failure,
+    wrap_for_gather,
+)
 from ..errors import ConfigurationError, InvalidRequestError
 from ._fast_plan import FastRecord, steady_state_plan
 from ._metadata_cache import CheckpointMetadataCache
@@ -346,7 +350,7 @@ def save_state_dict_async_finalize(
             results = storage_writer.retrieve_write_results()
         except Exception as exc:
             return wrap_for_gather(exc)
-        if _is_wrapped_exception(results):
+        if is_wrapped_failure(results):
             return results
         checksums = dict(getattr(storage_writer, "written_files", {}) or {})
         if reuse_metadata_obj is None:

@@ -1,8 +1,9 @@
 """Checkpoint format conversions for the command-line tool, reporting bytes as they move.
 
-* DCP -> one ``torch.save`` file: every item is read with torch's empty-state-dict load
-  planner (the one ``dcp_to_torch_save`` uses, so sharded tensors come back whole), and
-  bytes are counted as each item lands.
+* DCP -> one ``torch.save`` file: the state dict is rebuilt from the checkpoint's metadata
+  (an empty tensor of each item's whole size, nested as it was saved), as torch's
+  ``dcp_to_torch_save`` does, so sharded tensors come back whole; ``dcp.load`` fills it
+  through torch's default load planner, counting bytes as each item lands.
 * ``torch.save`` file -> DCP: the file is read through a counting wrapper and written by
   :class:`~resilient_ckpt.async_ckpt.filesystem_async.FileSystemWriterAsync`, whose
   ``.metadata`` records every data file's CRC-32, so ``resilient-ckpt verify`` can check
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..storage.commit import write_atomically
@@ -84,10 +87,28 @@ def save_file(obj: Any, path: str, progress: Progress | None = None) -> None:
     write_atomically(path, lambda f: torch.save(obj, CountingFile(f, progress or _ignore)))
 
 
-class _CountingLoadPlanner(_EmptyStateDictLoadPlanner):
+class _WholeStateLoadPlanner(DefaultLoadPlanner):
+    """Loads every item of a checkpoint into a state dict it builds from the metadata (the
+    one ``dcp.load`` hands it, kept as :attr:`loaded`), reporting bytes as they land."""
+
     def __init__(self, progress: Progress) -> None:
         super().__init__()
         self._progress = progress
+        self.loaded: dict[str, Any] = {}
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        if metadata is None:
+            raise ValueError("loading a whole checkpoint needs its metadata")
+        planner_data = metadata.planner_data or {}
+        for key, md in metadata.state_dict_metadata.items():
+            value: Any = md
+            if isinstance(md, TensorStorageMetadata):
+                value = torch.empty(md.size, dtype=md.properties.dtype)
+            _set_path(state_dict, planner_data.get(key, (key,)), value)
+        self.loaded = state_dict
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self._progress(value.getbuffer().nbytes)
@@ -98,19 +119,41 @@ class _CountingLoadPlanner(_EmptyStateDictLoadPlanner):
         super().commit_tensor(read_item, tensor)
 
 
+def _set_path(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
+    """Put ``value`` at ``path`` (keys and list indices, as DCP's flattening records them),
+    making the dicts and lists on the way (lists padded with None)."""
+    container: Any = root
+    for key, next_key in zip(path, path[1:], strict=False):
+        if isinstance(container, list):
+            container.extend([None] * (key + 1 - len(container)))
+            if container[key] is None:
+                container[key] = {} if isinstance(next_key, str) else []
+            container = container[key]
+        else:
+            container = container.setdefault(key, {} if isinstance(next_key, str) else [])
+    last = path[-1]
+    if isinstance(last, int):
+        container.extend([None] * (last + 1 - len(container)))
+    container[last] = value
+
+
 def load_dcp(src: str, progress: Progress | None = None) -> dict[str, Any]:
     """Every item of a committed DCP checkpoint, whole tensors on the CPU."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    import torch.distributed.checkpoint as dcp
 
-    state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=FileSystemReader(src),
-        planner=_CountingLoadPlanner(progress or _ignore),
-        no_dist=True,
-    )
-    return state
+    from .._torch_compat import no_dist_kwargs
+
+    planner = _WholeStateLoadPlanner(progress or _ignore)
+    with warnings.catch_warnings():
+        # This process loads alone on purpose: not worth a warning.
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*single process")
+        dcp.load(
+            {},
+            storage_reader=dcp.FileSystemReader(src),
+            planner=planner,
+            **no_dist_kwargs(dcp.load),
+        )
+    return planner.loaded
 
 
 def dcp_to_torch(src: str, dst: str, progress: Progress | None = None) -> None:
