@@ -41,9 +41,8 @@ from ..errors import (
 )
 from . import _completion
 from ._completion import State
-from ._messages import RemoteFailure
-from ._proc import arm_parent_death_signal
 from ._request import AsyncRequest, checked_preload
+from ._worker import RemoteFailure, arm_parent_death_signal
 
 logger = get_logger(__name__)
 

@@ -22,7 +22,7 @@ from . import _worker
 from ._arena import ArenaPool
 from ._callers import LocalStatus, exit_description
 from ._completion import State
-from ._messages import Channel, Hello, widen_send_buffer
+from ._worker import Channel, Hello, widen_send_buffer
 
 logger = get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """``PersistentAsyncCaller``: one spawned worker process per queue, reused for every save.
 
-Trainer side of the protocol in :mod:`._messages`. Scheduling stages the request into a
+Trainer side of the protocol in :mod:`._worker`. Scheduling stages the request into a
 shared-memory arena (:mod:`._staging`), attaches the arena to the worker once, and sends a
 ``Submit``. Results are drained without blocking; a worker that dies is noticed by its
 process sentinel or by EOF on the connection, and every call in flight then fails with a
@@ -32,11 +32,11 @@ from ._copy import check_copy_threads, warm_threads
 from ._deferred import resolve_deferred
 from ._device_copy import DeviceOrder, make_side_streams
 from ._lifecycle import WorkerLifecycle
-from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
 from ._snapshot import PendingSnapshot
 from ._stage_cache import StageCache
 from ._staging import StagedRequest, prime, stage
+from ._worker import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 
 logger = get_logger(__name__)
 
