@@ -20,8 +20,7 @@ from ..config import Timeouts
 from ..errors import CheckpointTimeoutError, WorkerDiedError
 from . import _worker
 from ._arena import ArenaPool
-from ._callers import LocalStatus, exit_description
-from ._completion import State
+from ._callers import LocalStatus, State, exit_description
 from ._worker import Channel, Hello, widen_send_buffer
 
 logger = get_logger(__name__)

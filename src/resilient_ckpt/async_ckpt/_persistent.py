@@ -26,8 +26,7 @@ from ..errors import (
     WorkerDiedError,
 )
 from ._arena import Arena, ArenaPool
-from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
-from ._completion import State
+from ._callers import AsyncCaller, LocalStatus, State, exit_description, failure_error
 from ._copy import check_copy_threads, warm_threads
 from ._deferred import resolve_deferred
 from ._device_copy import DeviceOrder, make_side_streams
