@@ -29,8 +29,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from resilient_ckpt import _rank_errors
 from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.async_ckpt import filesystem_async
-from resilient_ckpt.async_ckpt._callers import AsyncCaller, LocalStatus, TemporalAsyncCaller
-from resilient_ckpt.async_ckpt._completion import State
+from resilient_ckpt.async_ckpt._callers import AsyncCaller, LocalStatus, State, TemporalAsyncCaller
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (

@@ -1,4 +1,4 @@
-"""The caller interface and the fork-per-request caller.
+"""The caller interface, the cross-rank decision on each call, and the fork-per-request caller.
 
 Call protocol of an :class:`AsyncCaller` (every method runs in the trainer process):
 
@@ -10,6 +10,13 @@ Call protocol of an :class:`AsyncCaller` (every method runs in the trainer proce
    every rank; the queue then runs the finalize functions, or raises on every rank.
 4. ``close(abort)`` ends the background process(es); ``abort`` drops pending calls.
 
+The decision in step 3 is one record per rank and one decision everywhere: each poll is one
+:func:`resilient_ckpt._dist.agree` over the library's gloo group, carrying a three-integer
+record per rank ``(state, call_idx, deadline_passed)`` and this rank's error if its request
+failed. Because every rank sees every rank's record, every rank takes the same decision
+(finalize, keep waiting, raise) and the collectives stay in step; a failure on any rank is
+raised on every rank by the agreement itself.
+
 :class:`TemporalAsyncCaller` (deprecated in NVRx, kept for compatibility) forks one child
 per request. The fork itself is the snapshot of CPU memory (copy-on-write); CUDA tensors
 must be moved to the host by ``preload_fn`` first, which runs in the trainer before the
@@ -18,6 +25,7 @@ fork. The child's exit code is checked and its exception, if any, is sent back a
 
 from __future__ import annotations
 
+import enum
 import multiprocessing as mp
 import os
 import signal
@@ -39,13 +47,47 @@ from ..errors import (
     RemoteTraceback,
     WorkerDiedError,
 )
-from . import _completion
-from ._completion import State
-from ._messages import RemoteFailure
-from ._proc import arm_parent_death_signal
 from ._request import AsyncRequest, checked_preload
+from ._worker import RemoteFailure, arm_parent_death_signal
 
 logger = get_logger(__name__)
+
+
+class State(enum.IntEnum):
+    RUNNING = 0
+    DONE = 1
+    FAILED = 2
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    rank: int
+    state: State
+    call_idx: int
+    deadline_passed: bool
+
+
+def exchange(
+    state: State,
+    call_idx: int,
+    deadline_passed: bool,
+    collective_timeout: float,
+    *,
+    error: BaseException | None = None,
+    local_only: bool = False,
+    details: dict[str, Any] | None = None,
+) -> list[RankRecord]:
+    """Every rank's record, in rank order (just this rank's with ``local_only`` or when not
+    distributed). Raises the agreed error on every rank when ``error`` is set on any."""
+    outcomes = _dist.agree(
+        f"async request {call_idx}",
+        error,
+        ints=(int(state), int(call_idx), int(deadline_passed)),
+        local_only=local_only or not _dist.is_distributed(),
+        timeout=collective_timeout,
+        details=details,
+    )
+    return [RankRecord(o.rank, State(o.ints[0]), o.ints[1], bool(o.ints[2])) for o in outcomes]
 
 
 @dataclass
@@ -146,7 +188,7 @@ class AsyncCaller(ABC):
 
     def sync_all_async_calls(self, is_alive: int) -> bool:
         """NVRx-compatible: True when no rank reports a live call (gloo, library group)."""
-        records = _completion.exchange(
+        records = exchange(
             State.RUNNING if is_alive else State.DONE, 0, False, self.timeouts.collective
         )
         return all(r.state != State.RUNNING for r in records)
@@ -185,7 +227,7 @@ def agree_on_call(
         else:
             status = caller.local_status(call_idx)
         passed = blocking and time.monotonic() >= deadline
-        records = _completion.exchange(
+        records = exchange(
             status.state,
             call_idx,
             passed,

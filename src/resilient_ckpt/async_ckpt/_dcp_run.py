@@ -32,7 +32,7 @@ from ._dcp_write import (
     WriteJob,
     bucket_nbytes,
 )
-from ._proc import arm_parent_death_signal
+from ._worker import arm_parent_death_signal
 
 logger = get_logger(__name__)
 

@@ -35,7 +35,7 @@ import torch
 from .._torch_compat import cuda_devices_with_context
 from ..errors import StagingError
 from ._arena import Arena
-from ._messages import Slot
+from ._worker import Slot
 
 StorageKey = tuple[str, int, int]
 

@@ -52,7 +52,7 @@ from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch
 from ._copy import Segment, copy_all, plan_shares
 from ._device_copy import NO_DEVICE, DeviceOrder, DevicePlan, destinations, start_copies
-from ._messages import Slot
+from ._worker import Slot
 
 logger = get_logger(__name__)
 

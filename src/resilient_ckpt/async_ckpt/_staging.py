@@ -63,10 +63,10 @@ from ._device_copy import (
     start_copies,
     storage_key,
 )
-from ._messages import Slot, SlotTable
 from ._placement import Placement, place
 from ._stage_cache import StageCache
 from ._unstaging import rebuild_batch, rebuild_staged
+from ._worker import Slot, SlotTable
 
 logger = get_logger(__name__)
 

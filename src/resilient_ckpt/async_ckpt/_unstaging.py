@@ -17,7 +17,7 @@ import torch
 from .._torch_compat import pending_sparse_tensors, validate_loaded_sparse_tensors
 from ..errors import StagingError
 from ._arena import Arena
-from ._messages import Slot
+from ._worker import Slot
 
 
 class _UnstageContext(threading.local):

@@ -1,41 +1,297 @@
-"""The persistent background worker: the process side of :class:`PersistentAsyncCaller`.
+"""The persistent background worker: its typed messages, its process hygiene, its main loop.
 
-Runs in a process started with the ``spawn`` method. A receiver thread reads messages (so
-the trainer's sends never block on a busy worker) and hands requests to the main thread,
-which executes them one at a time, in order: unstage the arguments from the arena, run
-``preload_fn`` (its result replaces ``async_fn_args[1]``, as in NVRx), run ``async_fn``,
-reply with a :class:`Result` carrying either timings or the failure as a value.
+This is the process side of :class:`._persistent.PersistentAsyncCaller`; the trainer side
+(start, handshake, reaping) lives there and imports the message types from here.
 
-The worker exits on ``Shutdown`` (after the queued requests), when the connection closes,
-or when its parent dies. SIGINT is ignored: a Ctrl-C aimed at the trainer must not tear a
-write; the trainer decides when the worker stops.
+* **Typed messages over one connection.** Trainer and worker talk over one duplex
+  ``multiprocessing`` connection (a Unix socket pair). Every message is one of the frozen
+  dataclasses below, sent as ``(Kind, body)``; the receiver checks that the kind matches the
+  body's type, so a protocol mix-up fails loudly instead of being misread. An exception
+  raised in the worker travels back as a :class:`RemoteFailure` value (one that always
+  pickles) and the trainer raises it with the remote traceback as its cause. Shared-memory
+  file descriptors travel out of band right after :class:`AttachArena` (``SCM_RIGHTS`` on the
+  same socket), never inside a pickle.
+* **Requests run in order, on the main thread.** The worker is started with ``spawn``. A
+  receiver thread reads messages (so the trainer's sends never block on a busy worker) and
+  hands requests to the main thread, which executes them one at a time: unstage the
+  arguments from the arena, run ``preload_fn`` (its result replaces ``async_fn_args[1]``, as
+  in NVRx), run ``async_fn``, reply with a :class:`Result` carrying timings or the failure.
+* **The trainer decides when the worker stops.** It exits on ``Shutdown`` (after the queued
+  requests), when the connection closes, or when its parent dies. SIGINT is ignored: a
+  Ctrl-C aimed at the trainer must not tear a write.
+* **A worker never outlives its trainer.** Two mechanisms, because each has a gap:
+  ``PR_SET_PDEATHSIG`` delivers SIGKILL the moment the parent dies (but is tied to the
+  parent *thread* that started the child), and a watchdog thread compares ``getppid()`` with
+  the pid recorded at start (catching the race where the parent died before the signal was
+  armed). The forked caller and the DCP write's child processes arm the same signal.
+* **A worker yields to the trainer** (:func:`set_qos`): it runs at a lower priority and
+  under ``SCHED_BATCH``, so its throughput is kept but it never preempts the trainer's save.
+
+Conversation::
+
+    worker  -> trainer   Hello            once, after start-up (the handshake)
+    trainer -> worker    AttachArena+fd   once per staging arena the worker has not seen
+    trainer -> worker    Submit           one per request, in call order
+    worker  -> trainer   Result           one per Submit, in the same order
+    trainer -> worker    DetachArena      when the trainer frees an arena
+    trainer -> worker    Shutdown         orderly exit after the queued requests
 """
 
 from __future__ import annotations
 
+import array
+import ctypes
+import enum
 import gc
+import itertools
 import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
+import traceback
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, ClassVar
 
 from .. import _logging
-from ._messages import (
-    AttachArena,
-    Channel,
-    DetachArena,
-    Hello,
-    RemoteFailure,
-    Result,
-    Shutdown,
-    Submit,
-)
-from ._proc import arm_parent_death_signal, set_qos, start_parent_watchdog
+from .._logging import get_logger
+from ..errors import CheckpointingException
+
+logger = get_logger(__name__)
+
+# -- messages -------------------------------------------------------------------------------
+
+
+class Kind(enum.Enum):
+    HELLO = "hello"
+    ATTACH_ARENA = "attach_arena"
+    DETACH_ARENA = "detach_arena"
+    SUBMIT = "submit"
+    RESULT = "result"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class Hello:
+    KIND: ClassVar[Kind] = Kind.HELLO
+    pid: int
+
+
+@dataclass(frozen=True)
+class AttachArena:
+    KIND: ClassVar[Kind] = Kind.ATTACH_ARENA
+    arena_id: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class DetachArena:
+    KIND: ClassVar[Kind] = Kind.DETACH_ARENA
+    arena_id: int
+
+
+# Where one staged storage lies inside an arena: (offset, nbytes). A plain tuple, not a
+# dataclass: a request has one per storage (thousands), and the C pickler writes plain
+# tuples of ints without a Python call each.
+Slot = tuple[int, int]
+
+
+def _unpack_slots(packed: bytes) -> tuple[Slot, ...]:
+    words = array.array("q")
+    words.frombytes(packed)
+    return tuple(zip(words[0::2], words[1::2], strict=True))
+
+
+class SlotTable(tuple[Slot, ...]):
+    """A request's slots, pickled as one packed bytes object (two int64 per slot).
+
+    Pickled as plain tuples, the slots are thousands of small objects to visit while the
+    trainer waits, made at the full staging and long since evicted from the CPU caches;
+    packed, they are one contiguous copy. A steady-state save sends the very table of its
+    full staging, so it is packed once. The worker gets a plain tuple back.
+    """
+
+    _packed: bytes | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        packed = self._packed
+        if packed is None:
+            packed = array.array("q", itertools.chain.from_iterable(self)).tobytes()
+            self._packed = packed
+        return _unpack_slots, (packed,)
+
+
+@dataclass(frozen=True)
+class Submit:
+    KIND: ClassVar[Kind] = Kind.SUBMIT
+    call_idx: int
+    arena_id: int | None
+    slots: tuple[Slot, ...]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    """An exception raised in the worker, as a value that always pickles."""
+
+    exc_type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> RemoteFailure:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text)
+
+
+@dataclass(frozen=True)
+class Result:
+    KIND: ClassVar[Kind] = Kind.RESULT
+    call_idx: int
+    failure: RemoteFailure | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    KIND: ClassVar[Kind] = Kind.SHUTDOWN
+
+
+Body = Hello | AttachArena | DetachArena | Submit | Result | Shutdown
+
+
+class ProtocolError(CheckpointingException):
+    """A message arrived that the protocol does not allow at this point."""
+
+
+# A request's payload for thousands of tensors can exceed the socket's default send buffer;
+# the send would then wait for the worker to be scheduled and drain it.
+_SEND_BUFFER = 4 << 20
+
+
+def widen_send_buffer(conn: Connection) -> None:
+    """Let ``conn`` queue a whole payload without waiting for its reader (the kernel caps
+    the size at ``net.core.wmem_max``); best effort."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+    except OSError as exc:
+        logger.debug("could not widen the worker channel's send buffer: %r", exc)
+    finally:
+        sock.close()
+
+
+class Channel:
+    """One end of the trainer/worker connection; sends are serialised by a lock."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._send_lock = threading.Lock()
+
+    def send(self, body: Body, fd: int | None = None, peer_pid: int | None = None) -> None:
+        from multiprocessing.reduction import send_handle
+
+        with self._send_lock:
+            self.conn.send((body.KIND, body))
+            if fd is not None:
+                send_handle(self.conn, fd, peer_pid or 0)
+
+    def recv(self) -> Body:
+        kind, body = self.conn.recv()
+        if not isinstance(kind, Kind) or getattr(type(body), "KIND", None) is not kind:
+            raise ProtocolError(f"malformed message: kind={kind!r}, body={type(body).__name__}")
+        return body  # type: ignore[no-any-return]
+
+    def recv_fd(self) -> int:
+        from multiprocessing.reduction import recv_handle
+
+        return recv_handle(self.conn)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+# -- process hygiene ------------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+
+
+def arm_parent_death_signal(parent_pid: int) -> None:
+    """Kill this process when its parent dies; exit now if the parent is already gone."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the watchdog alone has to do
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(70)
+
+
+def start_parent_watchdog(parent_pid: int, interval: float = 0.5) -> threading.Thread:
+    """A daemon thread that exits the process once ``parent_pid`` is no longer its parent."""
+
+    def _watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(71)
+            time.sleep(interval)
+
+    thread = threading.Thread(target=_watch, name="resilient_ckpt-parent-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def set_qos(cpu_priority: int | None, io_priority: int | None) -> None:
+    """Lower this process's CPU and I/O priority; never fatal.
+
+    ``cpu_priority`` (a nice value) also moves the process to ``SCHED_BATCH``, inherited by
+    the threads it starts afterwards. A worker is woken by every request the trainer sends;
+    under the default policy the woken worker may preempt the trainer on its own core while
+    the trainer is still inside its save call, which lengthens the stall on a machine with
+    fewer cores than processes. A batch process is never favoured at wake-up: it runs on an
+    idle core, or after the trainer yields. Its throughput is unchanged.
+    """
+    if cpu_priority is not None and 0 <= cpu_priority <= 19:
+        _batch_scheduling()
+        try:
+            current = os.nice(0)
+            if cpu_priority > current:
+                os.nice(cpu_priority - current)
+        except OSError as exc:
+            logger.warning("could not set nice %s: %s", cpu_priority, exc)
+    if io_priority is not None:
+        try:
+            import psutil
+
+            psutil.Process().ionice(int(io_priority))
+        except (OSError, ValueError, ImportError, AttributeError) as exc:
+            logger.warning("could not set ionice class %s: %s", io_priority, exc)
+
+
+def _batch_scheduling() -> None:
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None:  # not Linux
+        return
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError as exc:
+        logger.warning("could not set the SCHED_BATCH policy: %s", exc)
+
+
+# -- the worker process ---------------------------------------------------------------------
 
 _STOP = object()
 
@@ -138,10 +394,10 @@ def main(
             os._exit(0)
         # After replying: the trainer (blocked in finalize) must not wait for it; the
         # request's objects are already gone. Then everything still alive (modules, caches)
-        # is frozen out of later collections: a full collection over torch's objects takes
-        # ~0.1 s holding the GIL, so the receiver thread could not read the next request
-        # meanwhile and a trainer sending one larger than the socket buffer (the write items
-        # of thousands of tensors) would block in send until it ended.
+        # is frozen out of later collections: a full collection over torch's objects holds
+        # the GIL long enough that the receiver thread could not read the next request
+        # meanwhile, and a trainer sending one larger than the socket buffer (the write
+        # items of thousands of tensors) would block in send until it ended.
         gc.collect()
         gc.freeze()
     channel.close()

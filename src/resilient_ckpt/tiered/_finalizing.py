@@ -19,7 +19,7 @@ from typing import Any
 from torch.distributed.checkpoint import CheckpointException
 
 from .._logging import get_logger
-from ..async_ckpt._completion import State
+from ..async_ckpt._callers import State
 from ..config import Timeouts
 from ..errors import CheckpointTimeoutError, CheckpointWriteError, QueueClosedError
 from ._replicator import MemorySave
