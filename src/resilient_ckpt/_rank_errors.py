@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint import CheckpointException
@@ -140,18 +140,19 @@ def is_wrapped_failure(obj: Any) -> bool:
     )
 
 
-def wrap_for_gather(exc: BaseException) -> Any:
-    """``(exception, stack summary)`` as torch's failures hold it, made safe to
-    pickle, because ``gather_object`` pickles it on the failing rank: a pickling error
-    there would leave the other ranks waiting in the gather instead of reporting the
-    failure (NVRx's ``filesystem_async._wrap_exception_for_gather``).
+def wrap_for_gather(exc: BaseException, wrap: Callable[[BaseException], Any] | None = None) -> Any:
+    """``(exception, stack summary)`` as ``wrap`` makes it (torch's ``_wrap_exception`` by
+    default), made safe to pickle, because ``gather_object`` pickles it on the failing
+    rank: a pickling error there would leave the other ranks waiting in the gather instead
+    of reporting the failure (NVRx's ``filesystem_async._wrap_exception_for_gather``, which
+    passes that module's ``_wrap_exception``).
 
     Frames lose their code objects (Python 3.13+ keeps one per frame); an exception that
     still does not pickle (a lock, a socket, a lambda among its attributes) is replaced by
     a :class:`~resilient_ckpt.errors.RemoteExceptionError` carrying its type, message and
     traceback text.
     """
-    wrapped, stack = _wrap_exception(exc)
+    wrapped, stack = (wrap or _wrap_exception)(exc)
     for frame in stack:
         if getattr(frame, "_code", None) is not None:
             object.__setattr__(frame, "_code", None)

@@ -22,6 +22,13 @@ What this module decides, and why:
 * **Only the checkpointing part.** ``nvidia_resiliency_ext`` itself is a small synthetic
   package; other NVRx subpackages (``fault_tolerance``, ``inprocess`` ...) are not provided,
   so probes for them fail with ``ModuleNotFoundError`` as they do without NVRx.
+* **A package located at ours.** Tools that report where a module came from read
+  ``__file__`` (``module.__file__``, ``inspect.getfile``), so the synthetic package
+  has the attributes a package on disk has: ``__file__`` is our ``__init__.py``,
+  ``__path__`` our directory, ``__spec__`` has that origin. A ``__path__`` naming our
+  directory would let the path finder load our modules a second time as
+  ``nvidia_resiliency_ext.<name>``; the finder refuses those names instead (none of them is
+  an NVRx subpackage).
 * **A version clients accept.** Megatron-core requires ``nvidia_resiliency_ext.__version__
   >= 0.6.0``; the alias reports :data:`NVRX_API_VERSION`, the upstream release whose API this
   package implements, and marks itself with ``__resilient_ckpt_version__``.
@@ -99,9 +106,10 @@ class _NvrxAliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname == NVRX_TOP:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            return _top_spec(self)
         ours = _our_name(fullname)
         if ours is None:
+            _refuse_our_modules_under_the_top(fullname)
             return None
         our_spec = importlib.util.find_spec(ours)
         if our_spec is None:
@@ -127,6 +135,31 @@ class _NvrxAliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         alias_spec = module.__spec__
         if alias_spec is not None and alias_spec.loader is self:
             module.__spec__ = alias_spec.loader_state
+
+
+def _top_spec(loader: _NvrxAliasFinder) -> importlib.machinery.ModuleSpec:
+    """The synthetic package's spec, located at our package: the import system derives
+    ``__file__`` (our ``__init__.py``) and ``__path__`` (our directory) from it, which tools
+    that report where a module came from read (``inspect.getfile``)."""
+    ours = sys.modules[OUR_TOP]
+    spec = importlib.machinery.ModuleSpec(NVRX_TOP, loader, origin=ours.__file__, is_package=True)
+    spec.submodule_search_locations = list(ours.__path__)
+    spec.has_location = True
+    return spec
+
+
+def _refuse_our_modules_under_the_top(fullname: str) -> None:
+    """``nvidia_resiliency_ext.<name>`` other than ``checkpointing``: not provided. The
+    top's ``__path__`` is our directory, so the path finder would otherwise load a second
+    copy of our module ``<name>`` under that name; other names stay ordinary misses (a
+    probe with ``importlib.util.find_spec`` gets None, as without NVRx)."""
+    parent, _, child = fullname.rpartition(".")
+    if parent != NVRX_TOP or importlib.util.find_spec(f"{OUR_TOP}.{child}") is None:
+        return
+    raise ModuleNotFoundError(
+        f"No module named {fullname!r}: the {NVRX_TOP} alias provides only {NVRX_CHECKPOINTING}",
+        name=fullname,
+    )
 
 
 def _fill_top_package(module: types.ModuleType) -> None:

@@ -8,6 +8,8 @@ in fresh interpreters, several at once (each one imports torch).
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -83,6 +85,38 @@ def test_alias_answers_only_for_what_exists(alias: None) -> None:
         importlib.import_module("nvidia_resiliency_ext.checkpointing.async_ckpt.no_such_module")
     core = importlib.import_module("nvidia_resiliency_ext.checkpointing.async_ckpt.core")
     assert importlib.reload(core) is core  # our own spec is back in place
+
+
+def test_top_package_is_located_at_ours(alias: None) -> None:
+    import resilient_ckpt
+
+    nvrx = importlib.import_module("nvidia_resiliency_ext")
+    assert nvrx.__file__ == resilient_ckpt.__file__
+    assert inspect.getfile(nvrx) == resilient_ckpt.__file__
+    assert nvrx.__path__ == list(resilient_ckpt.__path__)
+    assert os.path.dirname(nvrx.__file__) == nvrx.__path__[0]
+    spec = nvrx.__spec__
+    assert spec is not None and spec.name == "nvidia_resiliency_ext"
+    assert spec.origin == resilient_ckpt.__file__ and spec.has_location
+    assert spec.submodule_search_locations == nvrx.__path__
+    # Still the alias (not a second import of our package) after a reload.
+    assert importlib.reload(nvrx) is nvrx and nvrx.__resilient_ckpt_alias__
+    assert nvrx.__file__ == resilient_ckpt.__file__
+
+
+def test_top_package_path_does_not_import_our_modules_twice(alias: None) -> None:
+    import resilient_ckpt.utils
+
+    # `utils` is in the top package's __path__ (our directory), but is not an NVRx name.
+    with pytest.raises(ModuleNotFoundError, match="provides only") as info:
+        importlib.import_module("nvidia_resiliency_ext.utils")
+    assert info.value.name == "nvidia_resiliency_ext.utils"
+    assert "nvidia_resiliency_ext.utils" not in sys.modules
+    assert importlib.import_module("nvidia_resiliency_ext.checkpointing.utils") is (
+        resilient_ckpt.utils
+    )
+    # A probe for an NVRx subpackage that is not provided stays an ordinary miss.
+    assert importlib.util.find_spec("nvidia_resiliency_ext.fault_tolerance") is None
 
 
 def test_install_is_idempotent_and_uninstall_forgets_the_names(

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.api import _wrap_exception as torch_wrap_exception
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from resilient_ckpt import _rank_errors
 from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.async_ckpt import filesystem_async
 from resilient_ckpt.async_ckpt._callers import AsyncCaller, LocalStatus, State, TemporalAsyncCaller
@@ -66,10 +66,38 @@ class _FrameWithCode:
 
 
 def test_wrap_exception_for_gather_clears_code_objects(monkeypatch) -> None:
-    monkeypatch.setattr(_rank_errors, "_wrap_exception", lambda exc: (exc, [_FrameWithCode()]))
+    # What NVRx's test replaces: the module's own _wrap_exception, read at each call.
+    monkeypatch.setattr(filesystem_async, "_wrap_exception", lambda exc: (exc, [_FrameWithCode()]))
     wrapped = filesystem_async._wrap_exception_for_gather(RuntimeError("boom"))
     assert wrapped[1][0]._code is None
     pickle.dumps(wrapped)
+
+
+def test_wrap_exception_is_torchs_pair_of_the_exception_and_its_frames() -> None:
+    with pytest.raises(RuntimeError) as info:
+        _raise_runtime_error()
+    exc, stack = filesystem_async._wrap_exception(info.value)
+    assert exc is info.value and stack == torch_wrap_exception(info.value)[1]
+    assert any(frame.name == "_raise_runtime_error" for frame in stack)
+
+
+def test_finalize_gathers_a_failed_write_through_the_modules_wrap(tmp_path, monkeypatch) -> None:
+    writer, _, metadata = prepared_writer(tmp_path, small_state())  # never written
+    wrapped: list[BaseException] = []
+
+    def recording_wrap(exc: BaseException) -> Any:
+        wrapped.append(exc)
+        return torch_wrap_exception(exc)
+
+    monkeypatch.setattr(filesystem_async, "_wrap_exception", recording_wrap)
+    with pytest.raises(CheckpointException):
+        save_state_dict_async_finalize(writer, metadata, _DistWrapper(None, False, 0))
+    assert [type(exc) for exc in wrapped] == [CheckpointWriteError]
+    assert not (tmp_path / ".metadata").exists()
+
+
+def _raise_runtime_error() -> None:
+    raise RuntimeError("disk on fire")
 
 
 class _HoldsALock(Exception):

@@ -52,7 +52,8 @@ from torch.futures import Future
 
 from .. import _dist
 from .._logging import get_logger
-from .._rank_errors import wrap_for_gather as _wrap_exception_for_gather  # noqa: F401 (NVRx name)
+from .._rank_errors import local_failure as _wrap_exception
+from .._rank_errors import wrap_for_gather
 from .._torch_compat import prefix_of, storage_prefix
 from ..config import RetryPolicy
 from ..errors import (
@@ -78,6 +79,15 @@ __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
 
 # NVRx/Megatron probe for this attribute; our writer returns results through a file instead.
 _results_queue: Any = None
+
+
+def _wrap_exception_for_gather(exc: BaseException) -> Any:
+    """This rank's write failure as the ``(exception, stack summary)`` pair that the
+    finalize gathers to the coordinator, safe to pickle (see
+    :func:`resilient_ckpt._rank_errors.wrap_for_gather`). NVRx's names: the pair comes from
+    this module's ``_wrap_exception`` (torch's), looked up at each call, so code that
+    replaces it here (NVRx's own tests do) changes what the finalize gathers."""
+    return wrap_for_gather(exc, _wrap_exception)
 
 
 def get_write_results_queue(mp_mode: str = "spawn") -> Any:

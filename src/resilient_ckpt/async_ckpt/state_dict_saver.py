@@ -43,12 +43,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from .. import _dist
 from .._gc_pause import collector_paused
 from .._logging import get_logger
-from .._rank_errors import (
-    RankFailureError,
-    from_checkpoint_exception,
-    is_wrapped_failure,
-    wrap_for_gather,
-)
+from .._rank_errors import RankFailureError, from_checkpoint_exception, is_wrapped_failure
 from ..errors import ConfigurationError, InvalidRequestError
 from ._fast_plan import FastRecord, steady_state_plan
 from ._metadata_cache import CheckpointMetadataCache
@@ -66,6 +61,7 @@ from ._planning import (
     verify_global_md_reuse,
 )
 from ._structure import check_state_dict
+from .filesystem_async import _wrap_exception_for_gather
 
 logger = get_logger(__name__)
 
@@ -349,7 +345,7 @@ def save_state_dict_async_finalize(
         try:
             results = storage_writer.retrieve_write_results()
         except Exception as exc:
-            return wrap_for_gather(exc)
+            return _wrap_exception_for_gather(exc)
         if is_wrapped_failure(results):
             return results
         checksums = dict(getattr(storage_writer, "written_files", {}) or {})
@@ -357,7 +353,7 @@ def save_state_dict_async_finalize(
             return _RankOutcome(results, checksums)
         mismatch = find_layout_mismatch(results, reuse_metadata_obj)
         if mismatch is not None:
-            return wrap_for_gather(stale_error(dist_wrapper.get_rank(), mismatch))
+            return _wrap_exception_for_gather(stale_error(dist_wrapper.get_rank(), mismatch))
         return _RankOutcome([], checksums)  # the prepared metadata already locates them
 
     def commit(outcomes: list[_RankOutcome]) -> None:
