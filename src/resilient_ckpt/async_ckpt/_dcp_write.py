@@ -39,7 +39,7 @@ from .._torch_compat import write_item
 from ..config import RetryPolicy
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.commit import atomic_file
-from ._item_reader import ITEM_ALIGNMENT
+from .cached_metadata_filesystem_reader import ITEM_ALIGNMENT
 
 logger = get_logger(__name__)
 
@@ -68,7 +68,8 @@ class WriteJob:
     open_file: Any = None
     multiproc_io: bool = False
     # Start each tensor item on a 64-byte boundary so a mapped file's tensors load as views
-    # (``_item_reader``); off by default, so files stay byte-identical to torch's writer.
+    # (``read_items`` of the readers' module); off by default, so files stay byte-identical
+    # to torch's writer.
     align_items: bool = False
 
     @property
@@ -175,7 +176,8 @@ class ChecksumStream:
     def align(self, boundary: int) -> None:
         """Pad with zeros up to a multiple of ``boundary`` bytes. DCP records each item's
         offset and length, so bytes between items are never read; a tensor item that starts
-        aligned can be loaded as a view of a mapped file (``_item_reader``)."""
+        aligned can be loaded as a view of a mapped file (see
+        :mod:`.cached_metadata_filesystem_reader`)."""
         if self.size % boundary:
             self.write(bytes(boundary - self.size % boundary))
 
