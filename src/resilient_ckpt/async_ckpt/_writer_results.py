@@ -23,8 +23,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .._logging import get_logger
 from ..errors import CheckpointWriteError
 from ..storage.commit import RecordCommit
-from ._dcp_run import discard_report, load_report
-from ._dcp_write import WriteJob
+from ._dcp_write import WriteJob, discard_report, load_report
 
 logger = get_logger(__name__)
 

@@ -63,8 +63,7 @@ from ..errors import (
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
 from ._dcp_buckets import build_buckets, host_buckets
-from ._dcp_run import run_write_job
-from ._dcp_write import FileRecord, WriteBucket, WriteJob, write_file
+from ._dcp_write import FileRecord, WriteBucket, WriteJob, run_write_job, write_file
 from ._deferred import DeferredList, resolved
 from ._writer_checks import check_flag, check_open_file, check_writer_options, checkpoint_dir_of
 from ._writer_results import (
