@@ -9,7 +9,7 @@ Planning is the expensive collective part: every rank's local plan goes to the c
 which builds the global plan and the metadata and scatters the plans back. For a state whose
 structure does not change between saves the result is the same every time, so it is cached
 (``enable_cache=True``). Unlike NVRx, the cache is *revalidated on every save*: each rank
-computes a structure signature of its state (:mod:`._structure`: keys, shapes, dtypes,
+computes a structure signature of its state (:mod:`._planning`: keys, shapes, dtypes,
 sharding, planner settings) and one all-gather of two small integers per rank on a gloo group
 decides, identically everywhere, whether every rank's signature equals the cached one. If
 not, all ranks re-plan and the cache is replaced, so a changed model never reuses a stale
@@ -50,8 +50,6 @@ from .._rank_errors import (
     wrap_for_gather,
 )
 from ..errors import ConfigurationError, InvalidRequestError
-from ._fast_plan import FastRecord, steady_state_plan
-from ._metadata_cache import CheckpointMetadataCache
 from ._metadata_reuse import (
     check_reuse_arguments,
     find_layout_mismatch,
@@ -59,13 +57,16 @@ from ._metadata_reuse import (
     stale_error,
 )
 from ._planning import (
+    CheckpointMetadataCache,
+    FastRecord,
     Planning,
     accepts,
+    check_state_dict,
     check_writer,
     is_decentralized,
+    steady_state_plan,
     verify_global_md_reuse,
 )
-from ._structure import check_state_dict
 
 logger = get_logger(__name__)
 
