@@ -32,7 +32,8 @@ Private names held here ("tested with 2.13": the release CI runs; the package su
     string is accepted.
 ``torch.storage._dtype_to_storage_type_map`` (:func:`storage_type_dtypes`)
     The legacy storage names (``"FloatStorage"``) that ``torch.save`` pickles for each dtype,
-    read back by the archive reader of ``async_ckpt/_item_reader.py``. Tested with 2.13.
+    read back by the archive reader of ``async_ckpt.cached_metadata_filesystem_reader``.
+    Tested with 2.13.
     Fallback: the same table written out (torch froze it: new dtypes are saved another way).
 ``torch.distributed._shard.sharded_tensor.ShardedTensor`` (:func:`is_sharded_tensor`)
     Recognises a (deprecated) ``ShardedTensor`` value in a state dict; no public path

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._dcp_run import load_report
+from resilient_ckpt.async_ckpt._dcp_write import load_report
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import save_state_dict_async_plan
 from resilient_ckpt.tiered._writes import write_tiers

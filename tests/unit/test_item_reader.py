@@ -1,6 +1,7 @@
-"""Loading DCP items from a file in memory (``async_ckpt._item_reader``): the tensor a
-``torch.save`` archive holds comes back exact, as a view of the archive's bytes when they are
-aligned, and nothing beyond a saved tensor is unpickled by hand."""
+"""Loading DCP items from a file in memory (``read_items`` of
+``async_ckpt.cached_metadata_filesystem_reader``): the tensor a ``torch.save`` archive holds
+comes back exact, as a view of the archive's bytes when they are aligned, and nothing beyond
+a saved tensor is unpickled by hand."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from resilient_ckpt.async_ckpt import _item_reader
-from resilient_ckpt.async_ckpt._item_reader import ITEM_ALIGNMENT, item_tensor, map_file
+from resilient_ckpt.async_ckpt import cached_metadata_filesystem_reader as readers
 from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
+    ITEM_ALIGNMENT,
     CachedMetadataFileSystemReader,
+    item_tensor,
+    map_file,
 )
 from resilient_ckpt.async_ckpt.core import AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
@@ -123,7 +126,7 @@ def test_dcp_load_through_our_reader_matches_torchs(tmp_path, align) -> None:
 
 def test_item_past_the_end_of_the_file_is_a_named_error(tmp_path, monkeypatch) -> None:
     _save_ours({"t": torch.ones(100)}, tmp_path / "ck", align=True)
-    original = _item_reader.map_file
+    original = readers.map_file
     monkeypatch.setattr(
         "resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader.map_file",
         lambda path: original(path)[:50],

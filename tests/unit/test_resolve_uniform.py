@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from resilient_ckpt.async_ckpt._dcp_buckets import ItemsBlob
-from resilient_ckpt.async_ckpt._dcp_resolve import (
+from resilient_ckpt.async_ckpt._dcp_buckets import (
+    ItemsBlob,
     _plain_cpu,
     _uniform_tensors,
     quick_sources,

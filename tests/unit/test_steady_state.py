@@ -1,6 +1,7 @@
 """The steady-state fast paths (issue 13): the staging cache (``_stage_cache``) and the DCP
-plan record (``_fast_plan``). A save of an unchanged layout must reuse them; every change
-that matters must be noticed, and each checkpoint must hold exactly the values of its call."""
+plan record (``_planning.FastRecord``). A save of an unchanged layout must reuse them; every
+change that matters must be noticed, and each checkpoint must hold exactly the values of its
+call."""
 
 from __future__ import annotations
 
@@ -541,21 +542,21 @@ def test_walk_of_uniform_mappings_equals_the_entry_by_entry_walk(monkeypatch) ->
     """The C-level walk of mappings of one tensor type (beside scalars) gives exactly the
     tokens, leaves and keys of the entry-by-entry walk, so the plan record means the same;
     a changed requires_grad still changes the keys."""
-    from resilient_ckpt.async_ckpt import _fast_plan
+    from resilient_ckpt.async_ckpt import _planning
 
     states = _walk_states()
-    fast = [_fast_plan.walk(state) for state in states]
+    fast = [_planning.walk(state) for state in states]
     with monkeypatch.context() as patch:
-        patch.setattr(_fast_plan, "_UNIFORM", frozenset())
-        patch.setattr(_fast_plan, "_SCALARS", frozenset())
-        slow = [_fast_plan.walk(state) for state in states]
+        patch.setattr(_planning, "_UNIFORM", frozenset())
+        patch.setattr(_planning, "_SCALARS", frozenset())
+        slow = [_planning.walk(state) for state in states]
     for got, want in zip(fast, slow, strict=True):
         assert got is not None and want is not None
         assert got[0] == want[0] and got[2] == want[2]
         assert len(got[1]) == len(want[1])
         assert all(a is b for a, b in zip(got[1], want[1], strict=True))
     states[0]["model"]["l3"].requires_grad_(True)
-    changed = _fast_plan.walk(states[0])
+    changed = _planning.walk(states[0])
     assert changed is not None and fast[0] is not None and changed[2] != fast[0][2]
 
 

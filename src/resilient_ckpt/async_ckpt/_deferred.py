@@ -1,13 +1,12 @@
 """Deferred planning: a save planned where its request is staged, not in the save call.
 
 Decision: with a save's structure unchanged since the last one, what its call decides is
-almost always "the cached plan still holds": a walk over the state (~1 us a tensor,
-cache-cold after a training step) and an all-gather of a few integers (latency, ~0.5 ms on a
-loaded node). With ``defer_planning=True`` (opt-in, every rank alike) that decision, and the
-payload it leads to, move out of the call into the staging of the request: in overlapped
-staging (``schedule_async_request(..., overlap_staging=True)``) that is the background
-staging thread, so the save call returns after building a few
-objects. Two flows offer it:
+almost always "the cached plan still holds": a walk over the state (cache-cold after a
+training step) and an all-gather of a few integers (a round trip on a loaded node). With
+``defer_planning=True`` (opt-in, every rank alike) that decision, and the payload it leads
+to, move out of the call into the staging of the request: in overlapped staging
+(``schedule_async_request(..., overlap_staging=True)``) that is the background staging
+thread, so the save call returns after building a few objects. Two flows offer it:
 
 * async DCP, ``save_state_dict_async_plan(..., enable_cache=True, defer_planning=True)``:
   from the second save on, the steady-state check and, if any rank's structure changed, a

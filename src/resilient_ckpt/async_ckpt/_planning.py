@@ -1,36 +1,389 @@
-"""The planning half of an async DCP save: torch's steps, plus agreement on a CPU group.
+"""Planning an async DCP save, and the plan cache that lets a save of an unchanged structure
+skip the planning's collectives.
 
-:class:`Planning` runs the steps of ``torch.distributed.checkpoint.save``'s planning in the
-same order (set up planner and writer, local plan, global plan on the coordinator, finish),
-split so the saver can skip the collective part when its cache is valid, or plan without a
+**The steps.** :class:`Planning` runs the steps of ``torch.distributed.checkpoint.save``'s
+planning in the same order (set up planner and writer, local plan, global plan on the
+coordinator, finish), split so the saver (:mod:`.state_dict_saver`, which decides when the
+cache is valid) can skip the collective part when its cache is valid, or plan without a
 central step for planners that support it (Megatron's).
 
-Agreement: the saver's own small decisions (is the cached plan valid everywhere, did some
-rank fail to set up) are one ``all_gather`` of two integers per rank, on the library's gloo
-group (or the caller's group if it is gloo-capable), so they never touch CUDA and cost one
-round trip. If the caller's group has no CPU backend, object collectives on it are used.
-A rank that failed contributes a flag; every rank then raises ``RankFailureError`` (a
-torch ``CheckpointException`` too) naming it, instead of some ranks waiting in a
-collective the failed rank never joins. The agreement itself is :func:`.._dist.agree`.
+**Agreement.** The saver's own small decisions (is the cached plan valid everywhere, did
+some rank fail to set up) are one ``all_gather`` of two integers per rank, on the library's
+gloo group (or the caller's group if it is gloo-capable), so they never touch CUDA and cost
+one round trip. If the caller's group has no CPU backend, object collectives on it are used.
+A rank that failed contributes a flag; every rank then raises ``RankFailureError`` (a torch
+``CheckpointException`` too) naming it, instead of some ranks waiting in a collective the
+failed rank never joins. The agreement itself is :func:`.._dist.agree`.
+
+**What a cached plan depends on: the structure signature.** A DCP save plan depends on the
+state's *structure*, never on its values: the keys, whether each value is a tensor, a
+DTensor, a ShardedTensor or a pickled object, and for tensors their shape, dtype,
+``requires_grad`` and (for sharded ones) which chunk this rank holds. It also depends on who
+plans (planner type and settings, writer type, world size, rank, coordinator). The signature
+is a 16-byte BLAKE2b digest of a textual description of all of that, computed by walking
+the flattened state once (no write items are built, no plan is pickled). Equal signatures on
+every rank imply equal local plans on every rank, hence the same global plan, so a cached
+plan can be reused; the saver checks that with one small collective. Deliberately left out:
+``pin_memory`` (recorded by torch in the metadata but irrelevant for loading, and querying it
+may touch the CUDA driver) and values.
+
+**The steady-state check.** The signature needs the planner set up (which flattens the
+state) and a textual description of every entry. A save of an unchanged structure is
+checked instead by one walk over the *nested* state, compared with a :class:`FastRecord` of
+the last planned save:
+
+* **tokens**: for every container, its type and its keys in order; for every leaf, its type
+  (for a ``list``, its elements' types too: DCP flattens a list element by element only if
+  it holds tensors or mappings, as an optimizer's ``param_groups`` does, else keeps it as
+  one leaf, so that decides the flattening);
+* **plan keys**: for a tensor, what its write items depend on (shape, dtype,
+  ``requires_grad``, layout); for a DTensor, its spec (mesh, placements, global shape,
+  stride, dtype: compared by identity first, which holds while the DTensor object is the
+  same) and ``requires_grad``.
+
+A record is made after a planned save, only if DCP's own flattening of that state visited
+exactly the walk's leaves, in order (checked object by object), so the planner's flat state
+can later be rebuilt as ``dict(zip(fqns, leaves))`` without flattening. It also keeps the
+planning context, as the signature does. Anything the walk does not model (ShardedTensors,
+objects with ``__create_write_items__``, other tensor subclasses, lists of lists,
+non-default planners) gets no record: those saves take the signature's path. Equal tokens
+and plan keys imply an equal structure signature, so the cached plan is valid for this rank;
+the saver still agrees across ranks (one small collective) that every rank matched the same
+planning generation.
+
+**The cache.** :class:`CheckpointMetadataCache` holds what NVRx's class of that name holds,
+under NVRx's attribute and method names (Megatron-LM reads and sets them), plus the
+signature and the record of the state it was planned for. It only keeps them; the saver
+decides when they are valid.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
-from collections.abc import Callable, Mapping
-from dataclasses import fields
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import _dist
-from ..errors import ConfigurationError
-from ._structure import planner_settings, structure_signature
+from .._logging import get_logger
+from .._torch_compat import DTensor, is_sharded_tensor
+from ..errors import CheckpointingException, ConfigurationError
+
+logger = get_logger(__name__)
+
+
+# -- the structure signature ------------------------------------------------------------------
+
+
+def check_state_dict(state_dict: Any) -> None:
+    """A DCP state dict is a mapping with string keys at the top level.
+
+    Nested dicts may use other keys (optimizer states use ints): DCP flattens them with
+    ``str()``. A top-level non-string key would be saved under a key that cannot be loaded
+    back, or collide with its string form, so it is refused here with the offending key.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise ConfigurationError(
+            f"state_dict must be a dict with string keys, got {type(state_dict).__name__}"
+        )
+    for key in state_dict:
+        if not isinstance(key, str):
+            raise ConfigurationError(
+                f"state_dict key {key!r} is a {type(key).__name__}; torch.distributed."
+                "checkpoint needs string keys at the top level (use str(key))"
+            )
+
+
+def _describe(fqn: str, obj: Any) -> Any:
+    kind = type(obj)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        # The common case first, as a tuple: no string formatting per tensor.
+        return (fqn, obj.shape, obj.dtype, obj.requires_grad, obj.layout)
+    if isinstance(obj, DTensor):
+        mesh = obj.device_mesh
+        return (
+            f"D|{fqn}|{tuple(obj.shape)}|{obj.dtype}|{obj.requires_grad}|"
+            f"{tuple(mesh.shape)}|{mesh.get_coordinate()}|{obj.placements}"
+        )
+    if is_sharded_tensor(obj):
+        md = obj.metadata()
+        shards = [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in obj.local_shards()]
+        return f"S|{fqn}|{tuple(md.size)}|{md.tensor_properties.dtype}|{shards}"
+    if hasattr(obj, "__create_write_items__"):
+        return f"C|{fqn}|{obj.__create_write_items__(fqn, obj)!r}"
+    if isinstance(obj, torch.Tensor):
+        return f"T|{fqn}|{tuple(obj.shape)}|{obj.dtype}|{obj.requires_grad}|{obj.layout}"
+    return f"B|{fqn}"
+
+
+def planner_settings(planner: Any) -> list[tuple[str, Any]]:
+    """The planner's scalar attributes (its flags), sorted: part of what a plan depends on."""
+    scalars = (bool, int, float, str, type(None))
+    return sorted((k, v) for k, v in vars(planner).items() if isinstance(v, scalars))
+
+
+def structure_signature(flat_state: Mapping[str, Any], context: Sequence[Any]) -> bytes:
+    """Digest of the flattened state's structure plus ``context`` (who plans, see above)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(tuple(context)).encode())
+    digest.update(repr([_describe(fqn, obj) for fqn, obj in flat_state.items()]).encode())
+    return digest.digest()
+
+
+# -- the steady-state record -----------------------------------------------------------------------
+
+
+# What a tensor leaf's write items depend on, by its exact type (the plan keys above).
+_PLAN_KEY: dict[type, Any] = {
+    DTensor: operator.attrgetter("_spec", "requires_grad"),
+    torch.Tensor: operator.attrgetter("shape", "dtype", "requires_grad", "layout"),
+    torch.nn.Parameter: operator.attrgetter("shape", "dtype", "requires_grad", "layout"),
+}
+
+# A mapping whose values are tensors of one of these types (a model's or an optimizer
+# state's parameters, typically), possibly beside plain scalars (leaves whose token is their
+# type alone), is walked by C-level ``map`` calls instead of the loop in ``_walk``, with the
+# same tokens and keys.
+_UNIFORM = frozenset(_PLAN_KEY)
+_SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})
+
+
+class _Unsupported(Exception):
+    """The state holds something the walk does not model."""
+
+
+def _leaf(value: Any, tokens: list) -> None:
+    """The token of a leaf that is neither a mapping, a list nor a tensor of ``_PLAN_KEY``."""
+    kind = type(value)
+    if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+        raise _Unsupported(kind.__name__)
+    tokens.append(kind)
+
+
+def _list(value: list, tokens: list, leaves: list, keys: list) -> None:
+    """A list: DCP's flattening keeps it whole as one leaf unless it holds a mapping or a
+    tensor (an optimizer's ``param_groups``, say); then it goes element by element."""
+    inner = tuple(map(type, value))
+    if any(issubclass(t, list) for t in inner):
+        raise _Unsupported("list of lists")
+    if not any(issubclass(t, (Mapping, torch.Tensor)) for t in inner):
+        leaves.append(value)
+        tokens.append((list, inner))
+        return
+    tokens.append((list, len(value)))
+    for element, kind in zip(value, inner, strict=True):
+        _entry(element, kind, tokens, leaves, keys)
+
+
+def _entry(value: Any, kind: type, tokens: list, leaves: list, keys: list) -> None:
+    """One value of a mapping, or one element of a list DCP flattens element by element."""
+    key_of = _PLAN_KEY.get(kind)
+    if key_of is not None:
+        leaves.append(value)
+        tokens.append(kind)
+        keys.append(key_of(value))
+    elif isinstance(value, Mapping):
+        _walk(value, tokens, leaves, keys)
+    elif kind is list:
+        _list(value, tokens, leaves, keys)
+    else:
+        leaves.append(value)
+        _leaf(value, tokens)
+
+
+def _walk(mapping: Mapping, tokens: list, leaves: list, keys: list) -> None:
+    tokens.append((type(mapping), tuple(mapping)))
+    values = list(mapping.values())
+    kinds = list(map(type, values))
+    distinct = set(kinds)
+    tensor_kinds = distinct - _SCALARS
+    if not tensor_kinds or (len(tensor_kinds) == 1 and tensor_kinds <= _UNIFORM):
+        # Leaves only, of one tensor type at most: tokens are the types, keys the tensors'.
+        tokens.extend(kinds)
+        leaves.extend(values)
+        if tensor_kinds:
+            (kind,) = tensor_kinds
+            tensors = values if len(distinct) == 1 else [v for v in values if type(v) is kind]
+            keys.extend(map(_PLAN_KEY[kind], tensors))
+        return
+    for value, kind in zip(values, kinds, strict=True):
+        _entry(value, kind, tokens, leaves, keys)
+
+
+def walk(state_dict: Mapping) -> tuple[list, list, list] | None:
+    """``(tokens, leaves, plan keys)`` of a nested state, or None if it is not modelled."""
+    tokens: list = []
+    leaves: list = []
+    keys: list = []
+    try:
+        _walk(state_dict, tokens, leaves, keys)
+    except _Unsupported:
+        return None
+    return tokens, leaves, keys
+
+
+def planner_supported(planner: Any) -> bool:
+    """A planner whose set-up is DCP's flattening, so the fast path may emulate it."""
+    return (
+        isinstance(planner, DefaultSavePlanner)
+        and type(planner).set_up_planner is DefaultSavePlanner.set_up_planner
+        and bool(getattr(planner, "flatten_state_dict", False))
+        and not getattr(planner, "_enable_plan_caching", False)
+    )
+
+
+@dataclass(frozen=True)
+class FastRecord:
+    """What a steady-state save compares against, and how to rebuild the flat state."""
+
+    context: tuple
+    tokens: list
+    keys: list
+    fqns: tuple[str, ...]
+    mappings: dict
+    generation: int
+
+    @classmethod
+    def make(
+        cls, state_dict: Mapping, planner: Any, context: tuple, generation: int
+    ) -> FastRecord | None:
+        """After ``planner.set_up_planner(state_dict)``: a record, if the walk matches DCP."""
+        if not planner_supported(planner):
+            return None
+        walked = walk(state_dict)
+        flat = getattr(planner, "state_dict", None)
+        if walked is None or not isinstance(flat, dict):
+            return None
+        tokens, leaves, keys = walked
+        if len(flat) != len(leaves):
+            return None
+        if any(a is not b for a, b in zip(flat.values(), leaves, strict=True)):
+            return None
+        mappings = dict(getattr(planner, "mappings", {}) or {})
+        return cls(context, tokens, keys, tuple(flat), mappings, generation)
+
+    def match(self, state_dict: Mapping, context: tuple) -> list | None:
+        """The state's leaves (in the flat order) if it is laid out as recorded, else None."""
+        if context != self.context:
+            return None
+        walked = walk(state_dict)
+        if walked is None:
+            return None
+        tokens, leaves, keys = walked
+        if tokens != self.tokens or keys != self.keys:
+            return None
+        return leaves
+
+    def set_up(self, planner: Any, leaves: list, is_coordinator: bool) -> None:
+        """What ``DefaultSavePlanner.set_up_planner`` would leave, without flattening."""
+        planner.state_dict = dict(zip(self.fqns, leaves, strict=True))
+        planner.mappings = dict(self.mappings)
+        planner.is_coordinator = is_coordinator
+
+
+# -- the plan cache --------------------------------------------------------------------------------
+
+
+class CheckpointMetadataCache:
+    """Plans and global metadata of the last full planning, reused while valid.
+
+    Attributes (NVRx names): ``cached_central_plan`` (this rank's final plan),
+    ``cached_local_plan``, ``cached_global_metadata`` (coordinator only),
+    ``validated_cache_reuse`` (the last save reused the cached plan),
+    ``validated_loaded_metadata_reuse`` (the last decentralized save reused metadata loaded
+    from a previous checkpoint), ``loaded_all_plans`` (from that metadata). Ours:
+    ``structure_signature`` (of the state the cache was built for), ``hits``, ``misses``.
+    """
+
+    def __init__(self) -> None:
+        self.cached_central_plan: SavePlan | None = None
+        self.cached_local_plan: SavePlan | None = None
+        self.cached_global_metadata: Metadata | None = None
+        self.validated_cache_reuse = False
+        self.validated_loaded_metadata_reuse = False
+        self.loaded_all_plans: list[SavePlan] | None = None
+        self.structure_signature: bytes | None = None
+        self.fast_record: FastRecord | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def set_cached_global_metadata(self, cached_global_metadata: Metadata) -> None:
+        """Metadata loaded from a previous checkpoint (for decentralized planners)."""
+        self.cached_global_metadata = cached_global_metadata
+        self.loaded_all_plans = getattr(cached_global_metadata, "all_local_plans", None)
+        if self.loaded_all_plans is None:
+            logger.debug("metadata has no all_local_plans: its reuse cannot be verified")
+
+    def set_cache_metadata(
+        self, central_plan: SavePlan, local_plan: SavePlan, global_md_verify_reuse: bool
+    ) -> None:
+        """NVRx-compatible update: remember the plans; valid if the plan did not change."""
+        self.validated_loaded_metadata_reuse = global_md_verify_reuse
+        self.validated_cache_reuse = central_plan == self.cached_central_plan
+        self.cached_central_plan = central_plan
+        self.cached_local_plan = local_plan
+
+    def prepare_save_state_dict_ret(
+        self, rank: int, coordinator: int, save_state_dict_ret: tuple
+    ) -> tuple:
+        """NVRx-compatible: put the cached metadata in the plan result on the coordinator."""
+        writer, global_metadata, *rest = save_state_dict_ret
+        reusable = self.validated_cache_reuse or (
+            self.validated_loaded_metadata_reuse and self.loaded_all_plans
+        )
+        if global_metadata is not None:
+            self.cached_global_metadata = global_metadata
+        elif reusable and rank == coordinator:
+            global_metadata = self.cached_global_metadata
+        return (writer, global_metadata, *rest)
+
+    def get_cache_metadata(self) -> tuple[Any, Any, bool, Any]:
+        return (
+            self.cached_central_plan,
+            self.cached_local_plan,
+            self.validated_cache_reuse,
+            self.loaded_all_plans,
+        )
+
+    def get_metadata_caching_status(self) -> tuple[bool, bool]:
+        return self.validated_cache_reuse, self.validated_loaded_metadata_reuse
+
+    def matches(self, signature: bytes, is_coordinator: bool) -> bool:
+        """Whether the cached plan was built for a state with this signature."""
+        if self.structure_signature != signature or self.cached_central_plan is None:
+            return False
+        return self.cached_global_metadata is not None or not is_coordinator
+
+    def remember(
+        self,
+        signature: bytes | None,
+        central_plan: SavePlan,
+        local_plan: SavePlan | None,
+        global_metadata: Metadata | None,
+    ) -> None:
+        """Replace the cache by the result of a full planning."""
+        self.fast_record = None
+        self.structure_signature = signature
+        self.cached_central_plan = central_plan
+        self.cached_local_plan = local_plan
+        if global_metadata is not None:
+            self.cached_global_metadata = global_metadata
+        self.validated_cache_reuse = False
+        self.misses += 1
+
+
+# -- the planning steps and their agreement --------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=64)
@@ -40,8 +393,8 @@ def _parameter_names(function: Callable) -> frozenset[str]:
 
 def accepts(method: Callable, name: str) -> bool:
     """Whether ``method`` has a parameter called ``name`` (planners and writers of other
-    torch versions or subclasses differ). Answered once per function, not per save:
-    ``inspect.signature`` costs ~0.1 ms, twice in every steady-state save."""
+    torch versions or subclasses differ). Answered once per function, not per save: the
+    steady-state save asks twice."""
     try:
         return name in _parameter_names(getattr(method, "__func__", method))
     except TypeError:  # an unhashable callable object: ask every time
@@ -242,8 +595,45 @@ def is_decentralized(planner: Any, writer: Any) -> bool:
 def _flattened(state_dict: STATE_DICT_TYPE) -> Mapping[str, Any]:
     """``state_dict`` flattened to dotted keys as torch's default save planner flattens it
     (nested dicts and lists; sharded tensors left whole)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
     planner = DefaultSavePlanner(flatten_state_dict=True, flatten_sharded_tensors=False)
     planner.set_up_planner(state_dict, is_coordinator=False)
     return planner.state_dict
+
+
+# -- the steady-state check ------------------------------------------------------------------------
+
+
+def steady_state_plan(planning: Any, cache: Any) -> Any:
+    """The cached central plan if every rank's state matches its record of the same
+    planning generation, with the planner and writer set up for it; else None.
+
+    Collective (one small all-gather on a gloo group, see :func:`agree`); it also
+    carries set-up failures (a bad writer, an unusable directory): any rank's failure
+    raises on every rank.
+    """
+    dw = planning.dist_wrapper
+    record: FastRecord | None = cache.fast_record
+    leaves: list | None = None
+    error: Exception | None = None
+    try:
+        check_writer(planning.writer)
+        if record is not None and planner_supported(planning.planner):
+            leaves = record.match(planning.state_dict, planning.context())
+            if leaves is not None:
+                planning.set_up_writer()
+    except Exception as exc:
+        error = exc
+    outcomes = _dist.agree(
+        "DCP save planning (steady-state check)",
+        error,
+        ints=(leaves is not None, record.generation if record is not None else -1),
+        group=agreement_group(dw),
+        local_only=not dw.use_dist or dw.get_world_size() == 1,
+    )
+    if not all(o.ints[0] for o in outcomes) or len({o.ints[1] for o in outcomes}) != 1:
+        return None
+    if record is None or leaves is None:  # this rank reported a match above
+        raise CheckpointingException("steady-state planning: a matched record went missing")
+    record.set_up(planning.planner, leaves, dw.is_coordinator)
+    planning.is_set_up = True
+    return cache.cached_central_plan

@@ -30,11 +30,27 @@ A writer holds the state of one save; create one per checkpoint, as with NVRx. A
 through the storage backend chosen by the path (``msc://`` or ``use_msc``), so object stores
 plug in without changes here.
 
-Behind the class: :mod:`._writer_checks` (what the constructor checks), :mod:`._dcp_buckets`
-(items into per-file buckets), :mod:`._dcp_write` (the background write),
-:mod:`._writer_results` (steps 5 and 6: checking the report, filling and publishing the
-commit record, as the ``CommitSteps`` the class inherits) and
-:class:`~resilient_ckpt.storage.commit.RecordCommit` (writing and removing that record).
+What the writer decides besides torch's protocol:
+
+* **Checks when it is made** (step 0): a bad option or an unwritable directory raises on
+  the rank that has it, with the parameter named, instead of failing later inside planning
+  (where the other ranks would wait in a collective) or in the background write. The
+  directory check creates and removes a file (the one reliable test: root ignores
+  permission bits) in the checkpoint directory or the ancestor it will be created in, once
+  per directory and process: a job makes a writer per save, in a new directory under the
+  same parent, and each probe is metadata operations on a parallel file system from every
+  rank at once. Write access lost later fails that save's background write, which is
+  reported on every rank. Local paths only: object stores have no directories to probe;
+  their first upload reports a bad profile or bucket.
+* **Results are checked, then committed with a file table.** The report the background
+  write left becomes this rank's file table, or a ``CheckpointWriteError`` naming the rank
+  when the write failed or did not write every planned file. On the coordinator the
+  metadata is filled in as torch's writer does, plus every data file's size and CRC32 under
+  :data:`FILE_TABLE_ATTR`, and written as the commit record
+  (:class:`~resilient_ckpt.storage.commit.RecordCommit`).
+
+Behind the class: :mod:`._dcp_buckets` (items into per-file buckets) and :mod:`._dcp_write`
+(the background write).
 """
 
 from __future__ import annotations
@@ -42,10 +58,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import pickle
+import threading
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -58,24 +79,32 @@ from .._torch_compat import prefix_of, storage_prefix
 from ..config import RetryPolicy
 from ..errors import (
     CheckpointExistsError,
+    CheckpointWriteError,
     ConfigurationError,
     FrozenRequestError,
 )
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
+from ..storage.commit import RecordCommit
+from ..storage.posix import probe_writable
 from ._dcp_buckets import build_buckets, host_buckets
-from ._dcp_run import run_write_job
-from ._dcp_write import FileRecord, WriteBucket, WriteJob, write_file
-from ._deferred import DeferredList, resolved
-from ._writer_checks import check_flag, check_open_file, check_writer_options, checkpoint_dir_of
-from ._writer_results import (
-    FILE_TABLE_ATTR,  # noqa: F401 (imported from here)
-    CommitSteps,
+from ._dcp_write import (
+    FileRecord,
+    WriteBucket,
+    WriteJob,
+    discard_report,
+    load_report,
+    run_write_job,
+    write_file,
 )
+from ._deferred import DeferredList, resolved
 
 logger = get_logger(__name__)
 
 __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
+
+# Extra attribute of the pickled Metadata (dcp.load ignores it): {"algorithm", "files"}.
+FILE_TABLE_ATTR = "resilient_ckpt_files"
 
 # NVRx/Megatron probe for this attribute; our writer returns results through a file instead.
 _results_queue: Any = None
@@ -100,7 +129,139 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
     return _results_queue
 
 
-class FileSystemWriterAsync(CommitSteps, FileSystemWriter):
+# -- what the constructor checks -------------------------------------------------------------
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"FileSystemWriterAsync({name}=...) must be a bool, got {value!r}")
+    return value
+
+
+def _check_open_file(open_file: Any, use_msc: bool, checkpoint_dir: str) -> Callable[..., Any]:
+    if not callable(open_file):
+        raise ConfigurationError(
+            f"FileSystemWriterAsync(open_file=...) must be callable like open(path, mode), "
+            f"got {open_file!r}"
+        )
+    if open_file is not open and (use_msc or is_msc_url(checkpoint_dir)):
+        raise ConfigurationError(
+            "FileSystemWriterAsync(open_file=...) applies to local paths only; with msc the "
+            "multi-storage-client opens the objects (drop open_file or use_msc)"
+        )
+    return open_file
+
+
+def _checkpoint_dir_of(path: Any) -> str:
+    if isinstance(path, (str, os.PathLike)):
+        return os.fspath(path) if not isinstance(path, str) else path
+    raise ConfigurationError(f"checkpoint path must be a str or os.PathLike, got {path!r}")
+
+
+def _check_writer_options(writer: Any, checkpoint_dir: str, *, local: bool) -> None:
+    """The options ``FileSystemWriter`` stored on ``writer``, and a ``local`` path itself."""
+    if not isinstance(writer.thread_count, int) or writer.thread_count < 1:
+        raise ConfigurationError(f"thread_count must be an int >= 1, got {writer.thread_count!r}")
+    hint = writer.separation_hint
+    if hint is not None and (not isinstance(hint, str) or not hint):
+        raise ConfigurationError(f"separation_hint must be a non-empty str or None, got {hint!r}")
+    fmt = getattr(writer, "serialization_format", None)
+    if fmt is not None and getattr(fmt, "value", fmt) != "torch_save":
+        raise ConfigurationError(
+            f"FileSystemWriterAsync writes the torch_save format only, got {fmt!r}"
+        )
+    if local:
+        if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+            raise ConfigurationError(
+                f"checkpoint path {checkpoint_dir!r} exists and is not a directory"
+            )
+        _probe_writable(_nearest_existing_dir(checkpoint_dir))
+
+
+def _nearest_existing_dir(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+# Directories a probe found writable, most recent last (see the module docstring: probing a
+# parent once per process is enough).
+_PROBED: OrderedDict[str, None] = OrderedDict()
+_PROBED_MAX = 64
+_probed_lock = threading.Lock()
+
+
+def _probe_writable(directory: str) -> None:
+    """``probe_writable`` on ``directory`` (the checkpoint directory or the ancestor it
+    will be created in), when the writer is made, so a bad path fails there, before any
+    collective; once per directory and process (see ``_PROBED``)."""
+    with _probed_lock:
+        if directory in _PROBED:
+            _PROBED.move_to_end(directory)
+            return
+    probe_writable(directory)
+    with _probed_lock:
+        _PROBED[directory] = None
+        while len(_PROBED) > _PROBED_MAX:
+            _PROBED.popitem(last=False)
+
+
+# -- checking the results, filling the commit record ------------------------------------------
+
+
+def _checked_files(
+    report: Any, expected_files: Sequence[str], checkpoint_dir: str
+) -> dict[str, tuple[int, int]]:
+    """``{file name: (size, crc32)}`` of a complete background write; raises otherwise."""
+    if report.failure is not None:
+        raise CheckpointWriteError(
+            f"Worker failure on rank {report.rank}: writing checkpoint files in "
+            f"{checkpoint_dir!r} failed in the background:\n{report.failure}",
+            rank=report.rank,
+            path=checkpoint_dir,
+        )
+    expected = set(expected_files)
+    written = {record.name for record in report.files}
+    if written != expected:
+        raise CheckpointWriteError(
+            f"rank {report.rank}: incomplete write: expected files {sorted(expected)}, "
+            f"the background write reported {sorted(written)}",
+            rank=report.rank,
+            path=checkpoint_dir,
+        )
+    return {r.name: (r.size, r.crc32) for r in report.files}
+
+
+def _complete_metadata(
+    metadata: Metadata, results: list[list[WriteResult]], storage_meta: Any
+) -> None:
+    """Where every item landed, the storage identity and DCP's format version."""
+    metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+    metadata.storage_meta = storage_meta
+    version = _dcp_version()
+    if version is not None:
+        metadata.version = version
+
+
+def _attach_file_table(
+    metadata: Metadata, file_checksums: dict[str, tuple[int, int]] | None
+) -> None:
+    """Record (or, without checksums, drop) the table of data files' sizes and CRC32s."""
+    if file_checksums:
+        table = {"algorithm": "crc32", "files": dict(file_checksums)}
+        setattr(metadata, FILE_TABLE_ATTR, table)
+    else:
+        metadata.__dict__.pop(FILE_TABLE_ATTR, None)
+
+
+def _dcp_version() -> str | None:
+    from torch.distributed.checkpoint import filesystem
+
+    return getattr(filesystem, "CURRENT_DCP_VERSION", None)
+
+
+class FileSystemWriterAsync(FileSystemWriter):
     """DCP ``FileSystemWriter`` that writes in the background; see the module docstring.
 
     Args:
@@ -147,13 +308,13 @@ class FileSystemWriterAsync(CommitSteps, FileSystemWriter):
         retry_policy: RetryPolicy | None = None,
         **kwargs: Any,
     ) -> None:
-        checkpoint_dir = checkpoint_dir_of(path)
-        self.open_file = check_open_file(kwargs.pop("open_file", open), use_msc, checkpoint_dir)
-        self.is_multiproc_io = check_flag("is_multiproc_io", is_multiproc_io)
-        self.use_cached_data_structure = check_flag(
+        checkpoint_dir = _checkpoint_dir_of(path)
+        self.open_file = _check_open_file(kwargs.pop("open_file", open), use_msc, checkpoint_dir)
+        self.is_multiproc_io = _check_flag("is_multiproc_io", is_multiproc_io)
+        self.use_cached_data_structure = _check_flag(
             "use_cached_data_structure", use_cached_data_structure
         )
-        self.use_cpu_shm_for_gpu_tensors = check_flag(
+        self.use_cpu_shm_for_gpu_tensors = _check_flag(
             "use_cpu_shm_for_gpu_tensors", use_cpu_shm_for_gpu_tensors
         )
         self.retry_policy = retry_policy
@@ -192,7 +353,7 @@ class FileSystemWriterAsync(CommitSteps, FileSystemWriter):
         cls._shm_tensor_cache.clear()
 
     def _validate_options(self, checkpoint_dir: str) -> None:
-        check_writer_options(self, checkpoint_dir, local=isinstance(self._backend, PosixBackend))
+        _check_writer_options(self, checkpoint_dir, local=isinstance(self._backend, PosixBackend))
 
     # -- planning (trainer) -----------------------------------------------------------------
 
@@ -350,12 +511,63 @@ class FileSystemWriterAsync(CommitSteps, FileSystemWriter):
         future.set_result(self.retrieve_write_results())
         return future
 
+    # -- finalize (trainer): the results, the commit record ------------------------------------
+
+    def _commit(self) -> RecordCommit:
+        return RecordCommit(self._backend, self.checkpoint_dir, sync=self.sync_files)
+
+    def retrieve_write_results(self) -> list[WriteResult]:
+        """This rank's write results; raises ``CheckpointWriteError`` if the write failed."""
+        if self._expected_files is None:
+            what = (
+                "the deferred planning of this save did not run: its request was not staged"
+                if self._deferred is not None
+                else "retrieve_write_results before prepare_write_data: nothing was planned"
+            )
+            raise CheckpointWriteError(what, rank=self._rank())
+        # A save function was handed out (the payload is gone) iff a report will come: a
+        # deferred save's always, even when its planning gave this rank nothing to write.
+        handed_out = self.write_buckets is None
+        if self._job is None or not (self._expected_files or handed_out):
+            return []
+        report = load_report(self._job)
+        self.written_files = _checked_files(report, self._expected_files, self.checkpoint_dir)
+        discard_report(self._job)
+        return [result for record in report.files for result in record.results]
+
+    def finish(
+        self,
+        metadata: Metadata,
+        results: list[list[WriteResult]],
+        file_checksums: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """Write the commit record (coordinator only, after every rank's write succeeded)."""
+        _complete_metadata(metadata, results, self.storage_meta())
+        if file_checksums is None and len(results) == 1:
+            file_checksums = self.written_files or None
+        self.publish_metadata(metadata, file_checksums)
+
+    def publish_metadata(
+        self, metadata: Metadata, file_checksums: dict[str, tuple[int, int]] | None = None
+    ) -> None:
+        """Write ``metadata`` as the commit record, atomically, with the data files'
+        checksum table (coordinator only; ``finish`` fills it in first, a finalize that
+        reuses prepared metadata publishes that as it is)."""
+        _attach_file_table(metadata, file_checksums)
+        self._commit().commit(lambda f: pickle.dump(metadata, f))
+        logger.info("committed checkpoint %s", self.checkpoint_dir)
+
+    def read_metadata(self) -> Metadata:
+        """The commit record of this writer's checkpoint, as written."""
+        with self._backend.open_read(self._commit().record_path) as f:
+            return pickle.load(f)
+
     # -- identity -----------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
         if checkpoint_id:
-            self.checkpoint_dir = checkpoint_dir_of(checkpoint_id)
+            self.checkpoint_dir = _checkpoint_dir_of(checkpoint_id)
             self._backend = get_backend(
                 self.checkpoint_dir, use_msc=self.use_msc, retry=self.retry_policy
             )

@@ -9,7 +9,7 @@ Planning is the expensive collective part: every rank's local plan goes to the c
 which builds the global plan and the metadata and scatters the plans back. For a state whose
 structure does not change between saves the result is the same every time, so it is cached
 (``enable_cache=True``). Unlike NVRx, the cache is *revalidated on every save*: each rank
-computes a structure signature of its state (:mod:`._structure`: keys, shapes, dtypes,
+computes a structure signature of its state (:mod:`._planning`: keys, shapes, dtypes,
 sharding, planner settings) and one all-gather of two small integers per rank on a gloo group
 decides, identically everywhere, whether every rank's signature equals the cached one. If
 not, all ranks re-plan and the cache is replaced, so a changed model never reuses a stale
@@ -21,11 +21,28 @@ if any rank failed, every rank raises :class:`~resilient_ckpt.errors.RankFailure
 ``torch.distributed.checkpoint.CheckpointException`` too) naming the failed rank(s) and
 nothing is committed; otherwise the coordinator writes the
 commit record and its success or failure is broadcast, so every rank learns the outcome.
+
+Publishing a prepared ``.metadata`` instead of rebuilding it (NVRx's metadata reuse). A job
+whose checkpoint structure does not change can keep the complete metadata of one save
+(``save_state_dict_async_finalize(..., create_metadata_path=...)`` returns it and stores it)
+and hand it to later finalizes (``reuse_metadata_obj=``), which publish it as the commit
+record. That is only correct while every item still lands at the byte range the prepared
+metadata records. Tensors are stored raw, so their ranges depend only on shape and dtype;
+a non-tensor item is pickled and its length can change with its value (an optimizer's
+integer ``step`` growing past a pickle size band), shifting it and every item after it in
+its file. Publishing stale metadata would make a later load read the wrong bytes. So every
+rank compares the write results of this save with the prepared metadata
+(:func:`find_layout_mismatch`, local, both directions) and the finalize's one cross-rank
+exchange carries the verdict; a mismatch on any rank fails the save on every rank, naming
+the item, and no ``.metadata`` is written. Alternatives: trusting the caller (NVRx's first
+version: silent corruption on drift), or rebuilding the metadata every time (the cost the
+reuse avoids).
 """
 
 from __future__ import annotations
 
 import copy
+import pickle
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,23 +61,19 @@ from .. import _dist
 from .._gc_pause import collector_paused
 from .._logging import get_logger
 from .._rank_errors import RankFailureError, from_checkpoint_exception, is_wrapped_failure
-from ..errors import ConfigurationError, InvalidRequestError
-from ._fast_plan import FastRecord, steady_state_plan
-from ._metadata_cache import CheckpointMetadataCache
-from ._metadata_reuse import (
-    check_reuse_arguments,
-    find_layout_mismatch,
-    share_created_metadata,
-    stale_error,
-)
+from ..errors import CheckpointingException, ConfigurationError, InvalidRequestError
+from ..storage.commit import write_atomically
 from ._planning import (
+    CheckpointMetadataCache,
+    FastRecord,
     Planning,
     accepts,
+    check_state_dict,
     check_writer,
     is_decentralized,
+    steady_state_plan,
     verify_global_md_reuse,
 )
-from ._structure import check_state_dict
 from .filesystem_async import _wrap_exception_for_gather
 
 logger = get_logger(__name__)
@@ -307,6 +320,84 @@ def _as_rank_failure(what: str) -> Iterator[None]:
 # -- finalize -------------------------------------------------------------------------------
 
 
+class StaleMetadataError(CheckpointingException):
+    """The prepared metadata no longer describes the bytes this save wrote."""
+
+
+def find_layout_mismatch(
+    write_results: list[WriteResult], prepared: Metadata
+) -> tuple[str, str] | None:
+    """``(fqn, detail)`` of the first difference between what this rank wrote and the
+    prepared metadata, or None when this rank's part of the layout matches.
+
+    Forward: every written item must be in the prepared metadata at the same
+    ``(relative_path, offset, length)``. Reverse: every item the prepared metadata places
+    in a file this rank wrote must have been written now (an item removed at the end of a
+    file, or moved to another rank, shifts nothing this rank wrote). Items in files of
+    other ranks are theirs to check.
+    """
+    expected_by_index = prepared.storage_data or {}
+    written = set()
+    own_files = set()
+    for result in write_results:
+        actual = result.storage_data
+        written.add(result.index)
+        own_files.add(actual.relative_path)
+        expected = expected_by_index.get(result.index)
+        if expected is None:
+            return str(result.index.fqn), (
+                "written by this save but absent from the prepared metadata (the checkpoint "
+                "structure changed)"
+            )
+        want = (expected.relative_path, expected.offset, expected.length)
+        got = (actual.relative_path, actual.offset, actual.length)
+        if want != got:
+            return str(result.index.fqn), (
+                f"prepared (file, offset, length) = {want}, written = {got}: a non-tensor "
+                "item's pickled size changed, or an item before it in the file did"
+            )
+    for index, info in expected_by_index.items():
+        if info.relative_path in own_files and index not in written:
+            return str(index.fqn), (
+                f"in the prepared metadata at {info.relative_path} (offset {info.offset}, "
+                f"length {info.length}) but not written by this save (removed or moved to "
+                "another rank)"
+            )
+    return None
+
+
+def _check_reuse_arguments(reuse_metadata_obj: Any, create_metadata_path: Any) -> None:
+    if reuse_metadata_obj is not None and create_metadata_path is not None:
+        raise ConfigurationError(
+            "save_state_dict_async_finalize: reuse_metadata_obj and create_metadata_path "
+            "exclude each other (creating needs the full metadata that reuse skips)"
+        )
+    if reuse_metadata_obj is not None and not isinstance(reuse_metadata_obj, Metadata):
+        raise ConfigurationError(
+            "reuse_metadata_obj must be the torch.distributed.checkpoint Metadata of an "
+            f"earlier save, got {type(reuse_metadata_obj).__name__}"
+        )
+
+
+def _stale_error(rank: int, mismatch: tuple[str, str]) -> StaleMetadataError:
+    fqn, detail = mismatch
+    return StaleMetadataError(
+        f"rank {rank}: the prepared metadata is stale for item {fqn!r}: {detail}. "
+        "Nothing was committed; create the metadata again (create_metadata_path) or "
+        "finalize without reuse_metadata_obj"
+    )
+
+
+def _share_created_metadata(writer: Any, dist_wrapper: _DistWrapper, path: str) -> Metadata:
+    """After a full finalize: the complete metadata, read back by the coordinator, given
+    to every rank, and stored at ``path`` (atomically) for later jobs."""
+    metadata = writer.read_metadata() if dist_wrapper.is_coordinator else None
+    metadata = dist_wrapper.broadcast_object(metadata)
+    if dist_wrapper.is_coordinator:
+        write_atomically(path, lambda f: pickle.dump(metadata, f))
+    return metadata
+
+
 @dataclass
 class _RankOutcome:
     """What each rank contributes to the commit: its write results and file checksums."""
@@ -331,11 +422,11 @@ def save_state_dict_async_finalize(
 
     ``reuse_metadata_obj``: publish this complete metadata of an earlier save of the same
     structure instead of building it, after every rank checked that its writes land where
-    it says (see :mod:`._metadata_reuse`; a stale one fails the save, nothing committed).
+    it says (see the module docstring; a stale one fails the save, nothing committed).
     ``create_metadata_path``: after the commit, store the complete metadata there and
     return it on every rank, for later ``reuse_metadata_obj``. Otherwise returns None.
     """
-    check_reuse_arguments(reuse_metadata_obj, create_metadata_path)
+    _check_reuse_arguments(reuse_metadata_obj, create_metadata_path)
     started = time.perf_counter()
 
     def collect() -> Any:
@@ -353,7 +444,7 @@ def save_state_dict_async_finalize(
             return _RankOutcome(results, checksums)
         mismatch = find_layout_mismatch(results, reuse_metadata_obj)
         if mismatch is not None:
-            return _wrap_exception_for_gather(stale_error(dist_wrapper.get_rank(), mismatch))
+            return _wrap_exception_for_gather(_stale_error(dist_wrapper.get_rank(), mismatch))
         return _RankOutcome([], checksums)  # the prepared metadata already locates them
 
     def commit(outcomes: list[_RankOutcome]) -> None:
@@ -369,7 +460,7 @@ def save_state_dict_async_finalize(
         dist_wrapper.all_reduce("write", collect, commit)
     logger.info("finalized checkpoint save in %.4fs", time.perf_counter() - started)
     if create_metadata_path is not None:
-        return share_created_metadata(storage_writer, dist_wrapper, create_metadata_path)
+        return _share_created_metadata(storage_writer, dist_wrapper, create_metadata_path)
     return None
 
 

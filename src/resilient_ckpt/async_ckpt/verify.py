@@ -20,7 +20,7 @@ from .._checksum import crc32
 from ..errors import CorruptCheckpointError, StorageError
 from ..storage import StorageBackend, get_backend
 from ..storage.commit import RecordCommit
-from ._writer_results import FILE_TABLE_ATTR
+from .filesystem_async import FILE_TABLE_ATTR
 
 __all__ = ["VerifiedCheckpoint", "verify_checkpoint"]
 

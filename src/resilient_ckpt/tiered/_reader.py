@@ -11,7 +11,7 @@ over to the next candidate on any mismatch or error. A file with no valid copy r
 rank and the manager tries an older checkpoint: wrong bytes are never loaded.
 
 Local copies are mapped and checksummed through the mapping (``local._reader``), and the
-tensors are copied once from the mapping into the targets (``async_ckpt._item_reader``;
+tensors are copied once from the mapping into the targets (the async readers' ``read_items``;
 the tiered writer pads items so their records are aligned views). A memory-tier restore is
 therefore one checksum pass and one copy per byte; object-store copies are downloaded whole.
 
@@ -40,7 +40,7 @@ from torch.futures import Future
 from .. import _checksum
 from .._logging import get_logger
 from .._torch_compat import has_stream_transforms
-from ..async_ckpt._item_reader import byte_view, read_items
+from ..async_ckpt.cached_metadata_filesystem_reader import byte_view, read_items
 from ..errors import CorruptCheckpointError, StorageError
 from ..local._reader import check_against_manifest, read_verified
 from ..storage import PosixBackend, StorageBackend, get_backend
@@ -191,7 +191,7 @@ class VerifyingReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Each file verified once, its tensors copied once into the targets, straight
-        from the mapped copy (``_item_reader``); items with stream transforms go through
+        from the mapped copy (``read_items``); items with stream transforms go through
         torch's reader."""
         if has_stream_transforms(self.storage_data, plan.items):
             return super().read_data(plan, planner)

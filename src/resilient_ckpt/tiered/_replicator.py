@@ -44,8 +44,7 @@ import torch.distributed as dist
 
 from .. import _checksum, _dist
 from .._logging import get_logger
-from ..async_ckpt._dcp_run import discard_report, load_report
-from ..async_ckpt._dcp_write import FileRecord, WriteJob
+from ..async_ckpt._dcp_write import FileRecord, WriteJob, discard_report, load_report
 from ..errors import CheckpointingException, CheckpointTimeoutError, StorageError
 from ..local.replication.group_utils import CliqueGroup
 from ..storage.posix import PosixBackend

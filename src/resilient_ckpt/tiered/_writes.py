@@ -38,8 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._logging import get_logger
-from ..async_ckpt._dcp_run import run_write_job
-from ..async_ckpt._dcp_write import FileRecord, WriteBucket, WriteJob, write_file
+from ..async_ckpt._dcp_write import FileRecord, WriteBucket, WriteJob, run_write_job, write_file
 from ..async_ckpt.filesystem_async import FILE_TABLE_ATTR, FileSystemWriterAsync
 from ..async_ckpt.state_dict_saver import save_state_dict_async_finalize
 from ..errors import CheckpointWriteError, ConfigurationError
