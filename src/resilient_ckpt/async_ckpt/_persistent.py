@@ -28,9 +28,8 @@ from ..errors import (
 from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, LocalStatus, exit_description, failure_error
 from ._completion import State
-from ._copy import check_copy_threads, warm_threads
+from ._copy import DeviceOrder, check_copy_threads, make_side_streams, warm_threads
 from ._deferred import resolve_deferred
-from ._device_copy import DeviceOrder, make_side_streams
 from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest

@@ -13,8 +13,8 @@ the C pickler only for objects of those types, so the cost is one Python call pe
 not one per pickled object (a ``persistent_id`` method is called for every object: ~75 per
 DCP write item). Tensors are grouped by *storage*, so views and tied weights stay shared
 exactly as ``torch.save`` would see them. The slots are laid out in the arena
-(:mod:`._placement`: host storages near each other in memory keep their relative places)
-and filled by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for CUDA),
+(:mod:`._copy`: host storages near each other in memory keep their relative places) and
+filled there (memmove on copy threads; ``copy_`` device-to-host for CUDA),
 in the save call or, in overlapped mode, with the whole of :func:`stage` on a background
 thread until ``wait_for_snapshot`` (:mod:`._snapshot`). In the worker, unpickling rebuilds
 each descriptor as a tensor whose storage is exactly its slot (:mod:`._unstaging`).
@@ -50,21 +50,22 @@ import torch
 
 from .._logging import get_logger
 from ..errors import CheckpointingException, InvalidRequestError
-from . import _device_copy
+from . import _copy
 from ._arena import Arena, ArenaPool
 from ._batch import SourcedBatch, TensorBatch
-from ._copy import copy_all
-from ._device_copy import (
+from ._copy import (
     NO_DEVICE,
     DeviceOrder,
     DevicePlan,
+    Placement,
     StorageKey,
+    copy_all,
+    place,
     plan_device_copies,
     start_copies,
     storage_key,
 )
 from ._messages import Slot, SlotTable
-from ._placement import Placement, place
 from ._stage_cache import StageCache
 from ._unstaging import rebuild_batch, rebuild_staged
 
@@ -75,7 +76,7 @@ logger = get_logger(__name__)
 class _PendingSlot:
     storage: torch.UntypedStorage
     nbytes: int
-    host: bool  # copied as host memory (memmove), else with copy_ (see _device_copy)
+    host: bool  # copied as host memory (memmove), else with copy_ (see _copy)
     offset: int = 0
 
 
@@ -122,7 +123,7 @@ class _Collector:
         slot = self.slot_of.get(key)
         if slot is None or nbytes == 0:
             slot = len(self.slots)
-            self.slots.append(_PendingSlot(storage, nbytes, _device_copy.is_host(storage)))
+            self.slots.append(_PendingSlot(storage, nbytes, _copy.is_host(storage)))
             self.slot_of[key] = slot
         return (
             slot,
@@ -223,7 +224,7 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
 
 
 def _layout(slots: list[_PendingSlot]) -> tuple[Placement, tuple[Slot, ...]]:
-    """Place ``slots`` in an arena (see :mod:`._placement`), setting each one's offset;
+    """Place ``slots`` in an arena (see :mod:`._copy`), setting each one's offset;
     the placement and the slots' table for the worker."""
     placement = place([(p.storage.data_ptr() if p.host else None, p.nbytes) for p in slots])
     for slot, offset in zip(slots, placement.offsets, strict=True):
@@ -244,7 +245,7 @@ def copy_into(
 
     Host storages are copied by :func:`._copy.copy_all` as the placement's runs (memmove,
     ``threads`` threads); device storages with ``copy_`` as ``device`` plans, after
-    ``order`` where given (see :mod:`._device_copy`).
+    ``order`` where given (see :mod:`._copy`).
     """
     base = arena.address
     host = [(base + dst, src, n) for dst, src, n in placement.runs]
@@ -265,7 +266,7 @@ def stage(
     """Pickle ``obj`` and copy its tensors into an arena from ``pool``.
 
     ``order``: the save call's place in the CUDA streams, when this runs on the staging
-    thread (overlapped staging, see :mod:`._device_copy`).
+    thread (overlapped staging, see :class:`._copy.DeviceOrder`).
     With ``cache``, a request laid out like the previous one reuses its descriptors and copy
     plan (:mod:`._stage_cache`); otherwise it is staged fully and the cache rebuilt.
     """
