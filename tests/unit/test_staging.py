@@ -7,8 +7,7 @@ import torch
 
 from resilient_ckpt.async_ckpt import _copy
 from resilient_ckpt.async_ckpt._messages import Channel, Hello, ProtocolError, Result
-from resilient_ckpt.async_ckpt._staging import ArenaPool, stage
-from resilient_ckpt.async_ckpt._unstaging import unstage
+from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 from resilient_ckpt.errors import InvalidRequestError
 from tests import _helpers
 

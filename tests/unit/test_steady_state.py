@@ -14,8 +14,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from resilient_ckpt.async_ckpt import _copy, _staging
 from resilient_ckpt.async_ckpt._arena import Arena
 from resilient_ckpt.async_ckpt._stage_cache import StageCache
-from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage
-from resilient_ckpt.async_ckpt._unstaging import unstage
+from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage, unstage
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (

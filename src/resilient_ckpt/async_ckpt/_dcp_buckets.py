@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from ..errors import CheckpointingException, ConfigurationError
-from ._batch import SourcedBatch, TensorBatch
 from ._dcp_resolve import direct_lookup, quick_sources, resolve_blob, resolve_sources
 from ._dcp_write import WriteBucket
+from ._staging import SourcedBatch, TensorBatch
 
 _CACHE_SIZE = 4
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from .._torch_compat import DTensor, Replicate, Shard
 from ..errors import ConfigurationError
-from ._batch import PLAIN_TENSOR_TYPES
+from ._staging import PLAIN_TENSOR_TYPES
 
 if TYPE_CHECKING:
     from ._dcp_buckets import ItemsBlob

@@ -33,9 +33,8 @@ from ._deferred import resolve_deferred
 from ._lifecycle import WorkerLifecycle
 from ._messages import AttachArena, Channel, DetachArena, Result, Shutdown, Submit
 from ._request import AsyncRequest
-from ._snapshot import PendingSnapshot
 from ._stage_cache import StageCache
-from ._staging import StagedRequest, prime, stage
+from ._staging import PendingSnapshot, StagedRequest, prime, stage
 
 logger = get_logger(__name__)
 
@@ -103,7 +102,7 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
         """Stage ``async_req`` and hand it to the worker.
 
         With ``overlap_staging`` the snapshot completes after this returns (see
-        :mod:`._snapshot`); the request reaches the worker at :meth:`wait_for_snapshot`
+        :mod:`._staging`); the request reaches the worker at :meth:`wait_for_snapshot`
         (called implicitly by every other method of this caller, so it is never lost).
         """
         self._drain()  # settles a pending snapshot first
@@ -126,7 +125,7 @@ class PersistentAsyncCaller(WorkerLifecycle, AsyncCaller):
         )
         if overlap_staging:
             self._reserve_arena_room()
-            # In the background nothing may wait for an arena (see _snapshot): there is room.
+            # In the background nothing may wait for an arena (see _staging): there is room.
             order = DeviceOrder() if torch.cuda.is_initialized() else None
             background = functools.partial(stage_request, wait_for_release=_no_wait, order=order)
             self._inflight[call_idx] = None

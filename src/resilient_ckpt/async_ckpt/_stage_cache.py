@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._logging import get_logger
 from ._arena import Arena, ArenaPool
-from ._batch import SourcedBatch
 from ._copy import (
     NO_DEVICE,
     DeviceOrder,
@@ -61,6 +60,9 @@ from ._copy import (
     start_copies,
 )
 from ._messages import Slot
+
+if TYPE_CHECKING:  # _staging imports this module
+    from ._staging import SourcedBatch
 
 logger = get_logger(__name__)
 
