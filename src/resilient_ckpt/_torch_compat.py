@@ -49,7 +49,7 @@ Private names held here ("tested with 2.13": the release CI runs; the package su
     Which CUDA devices this process already uses, without creating a context on the others.
     Tested with 2.13 (CPU builds lack it: CI runs the fallback, and the private branch with
     a stand-in for it). Fallback: the current device only; a copy from another device then
-    waits for that whole device (``async_ckpt/_device_copy.py``), slower but ordered.
+    waits for that whole device (``async_ckpt/_copy.py``), slower but ordered.
 ``torch.distributed._tensor`` (``DTensor``, ``Replicate``, ``Shard``, ``distribute_tensor``)
     Where torch 2.4 keeps the DTensor classes; the public ``torch.distributed.tensor`` path
     is used from 2.5 on (tested with 2.13, which takes the public path).

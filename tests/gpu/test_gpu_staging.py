@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from resilient_ckpt import TorchAsyncCheckpoint
-from resilient_ckpt.async_ckpt._staging import ArenaPool, stage
-from resilient_ckpt.async_ckpt._unstaging import unstage
+from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 
 pytestmark = pytest.mark.gpu
 

@@ -145,7 +145,7 @@ def test_deferred_planning_runs_on_the_staging_thread_after_earlier_stagings() -
     import threading
     import time
 
-    from resilient_ckpt.async_ckpt import _snapshot
+    from resilient_ckpt.async_ckpt import _staging
 
     order: list[tuple[str, str]] = []
 
@@ -154,9 +154,9 @@ def test_deferred_planning_runs_on_the_staging_thread_after_earlier_stagings() -
         order.append(("earlier", threading.current_thread().name))
 
     def nested() -> str:  # on the staging thread already: runs inline, no deadlock
-        return _snapshot.in_staging_order(lambda: threading.current_thread().name)
+        return _staging.in_staging_order(lambda: threading.current_thread().name)
 
-    running = _snapshot._STAGER.get(1).submit(earlier)
+    running = _staging._STAGER.get(1).submit(earlier)
     buckets = DeferredList(
         lambda: (order.append(("planned", nested())), buckets.fill([1]))[-1], "the test save"
     )

@@ -7,10 +7,9 @@ import random
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._placement import ALIGN, BRIDGE_MAX_BYTES, place
+from resilient_ckpt.async_ckpt._copy import ALIGN, BRIDGE_MAX_BYTES, place
 from resilient_ckpt.async_ckpt._stage_cache import StageCache
-from resilient_ckpt.async_ckpt._staging import ArenaPool, stage
-from resilient_ckpt.async_ckpt._unstaging import unstage
+from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 
 PAGE = 4096
 

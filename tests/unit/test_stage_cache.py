@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from resilient_ckpt.async_ckpt._stage_cache import StageCache
-from resilient_ckpt.async_ckpt._staging import ArenaPool, stage
-from resilient_ckpt.async_ckpt._unstaging import unstage
+from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 
 
 def _never() -> bool:

@@ -5,9 +5,8 @@ import functools
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt import _device_copy
-from resilient_ckpt.async_ckpt._staging import ArenaPool, stage
-from resilient_ckpt.async_ckpt._unstaging import unstage
+from resilient_ckpt.async_ckpt import _copy
+from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 from resilient_ckpt.async_ckpt._worker import Channel, Hello, ProtocolError, Result
 from resilient_ckpt.errors import InvalidRequestError
 from tests import _helpers
@@ -19,8 +18,8 @@ def _never() -> bool:
 
 @pytest.mark.parametrize("copy", ["memmove", "copy_"])
 def test_stage_snapshots_and_preserves_views_and_sharing(copy, monkeypatch) -> None:
-    if copy == "copy_":  # every storage staged as a device storage is (see _device_copy)
-        monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
+    if copy == "copy_":  # every storage staged as a device storage is (see _copy)
+        monkeypatch.setattr(_copy, "is_host", lambda storage: False)
     base = torch.arange(16, dtype=torch.float32)
     param = torch.nn.Parameter(torch.ones(3))
     obj = {
@@ -81,7 +80,7 @@ def test_a_failed_device_copy_is_a_staging_error_and_gives_the_arena_back(
     from resilient_ckpt.async_ckpt._stage_cache import StageCache
     from resilient_ckpt.errors import StagingError
 
-    monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
+    monkeypatch.setattr(_copy, "is_host", lambda storage: False)
     pool, cache = ArenaPool(1), StageCache()
     state = {"w": torch.randn(64), "b": torch.randn(8)}
     if cached:  # a first save fills the cache; the second copies with its plan
@@ -90,7 +89,7 @@ def test_a_failed_device_copy_is_a_staging_error_and_gives_the_arena_back(
     def broken(*args, **kwargs):
         return [(torch.empty(1), torch.empty(3))]  # sizes that cannot be copied
 
-    monkeypatch.setattr(_device_copy, "device_pairs", broken)
+    monkeypatch.setattr(_copy, "device_pairs", broken)
     with pytest.raises(StagingError, match="device tensors"):
         stage(state, pool, _never, cache=cache if cached else None)
     assert not pool.busy and len(pool.free) == 1

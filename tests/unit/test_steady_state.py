@@ -12,11 +12,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from resilient_ckpt.async_ckpt import _device_copy, _staging
+from resilient_ckpt.async_ckpt import _copy, _staging
 from resilient_ckpt.async_ckpt._arena import Arena
 from resilient_ckpt.async_ckpt._stage_cache import StageCache
-from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage
-from resilient_ckpt.async_ckpt._unstaging import unstage
+from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage, unstage
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
@@ -106,8 +105,8 @@ CHANGES = [
 def test_stage_cache_hits_only_for_an_unchanged_layout_and_stages_each_call_exactly(
     copy, monkeypatch
 ) -> None:
-    if copy == "copy_":  # every storage staged as a device storage is (see _device_copy)
-        monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
+    if copy == "copy_":  # every storage staged as a device storage is (see _copy)
+        monkeypatch.setattr(_copy, "is_host", lambda storage: False)
     pool = ArenaPool(1)
     cache = StageCache()
     state = _state()
@@ -138,7 +137,7 @@ def test_stage_cache_hits_only_for_an_unchanged_layout_and_stages_each_call_exac
 
 
 def test_device_copies_are_planned_once_and_reuse_the_arenas_typed_views(monkeypatch) -> None:
-    monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
+    monkeypatch.setattr(_copy, "is_host", lambda storage: False)
     kept = []
     keep = Arena.keep_views
     monkeypatch.setattr(Arena, "keep_views", lambda self, *a: kept.append(1) or keep(self, *a))
@@ -164,7 +163,7 @@ def test_device_copies_are_planned_once_and_reuse_the_arenas_typed_views(monkeyp
     pool.close()
 
     collector = _staging.collect_descriptors(state, "state")[1]
-    plan = _device_copy.plan_device_copies(
+    plan = _copy.plan_device_copies(
         collector.tensors,
         collector.slot_of,
         [(0, s.nbytes) for s in collector.slots],
@@ -494,10 +493,10 @@ def test_warmup_primes_the_staging_cache_for_the_state_it_is_given(tmp_path) -> 
 
 @pytest.mark.timeout(120)
 def test_warmup_builds_the_views_a_first_save_of_device_copies_would(tmp_path, monkeypatch) -> None:
-    """With device copies (every storage staged as one here, see _device_copy), the warm-up
+    """With device copies (every storage staged as one here, see _copy), the warm-up
     builds the arena's typed views (8 ms for 2000 tensors): the first save then reuses them
     as every steady save does, and each checkpoint holds its call's values."""
-    monkeypatch.setattr(_device_copy, "is_host", lambda storage: False)
+    monkeypatch.setattr(_copy, "is_host", lambda storage: False)
     kept = []
     keep = Arena.keep_views
     monkeypatch.setattr(Arena, "keep_views", lambda self, *a: kept.append(1) or keep(self, *a))

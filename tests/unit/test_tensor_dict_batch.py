@@ -1,5 +1,5 @@
 """The torch.save flow stages a dict of tensors (a model's state_dict) as one batch
-(``_batch.TensorDict``): same file as ``torch.save``, steady saves reuse the layout, and
+(``_staging.TensorDict``): same file as ``torch.save``, steady saves reuse the layout, and
 every change is saved."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._batch import MIN_BATCHED, TensorDict, batch_tensor_dicts
+from resilient_ckpt.async_ckpt._staging import MIN_BATCHED, TensorDict, batch_tensor_dicts
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 
 

@@ -226,7 +226,7 @@ def test_cuda_devices_with_context_and_fallback(monkeypatch) -> None:
     monkeypatch.delattr(torch._C, "_cuda_hasPrimaryContext")
     assert _torch_compat.cuda_devices_with_context() == private == [1]
     # With contexts on other devices the fallback knows only the current one; a copy from
-    # another device then waits for that device in full (async_ckpt/_device_copy.py).
+    # another device then waits for that device in full (async_ckpt/_copy.py).
     monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda d: d < 2, raising=False)
     assert _torch_compat.cuda_devices_with_context() == [0, 1]
 

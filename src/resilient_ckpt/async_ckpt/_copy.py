@@ -1,44 +1,152 @@
-"""The trainer-side data copy of a snapshot: host storages into an arena, several threads.
+"""The copies of a snapshot: where each storage goes in the arena, and how its bytes get there.
 
-Decisions:
+Staging (:mod:`._staging`) decides *what* a snapshot copies: one slot per storage a request
+references. This module decides where each slot lies in the arena (:mod:`._arena`) and the
+copies that fill it, the only trainer-side data copy of a save. Everything here is a function
+of the tensors' layouts, so the staging cache (:mod:`._stage_cache`) keeps the plans for the
+next save of the same layout.
 
-* **memmove, not ``copy_``.** Every staged CPU storage is one contiguous byte range, so the
-  copy is a ``memmove`` into its slot. ``ctypes.memmove`` costs about a microsecond per
-  call (``Tensor.copy_`` several), and, being a foreign call, releases the GIL: copy threads
-  run truly in parallel, and in overlapped staging in parallel with the training step.
-* **Neighbours copied as one range.** The arena mirrors host storages that lie close in
-  memory (:mod:`._placement`), so a run of consecutive allocations is one ``memmove``, the
-  allocator's headers between them included; ranges still back to back both in memory and
-  in the arena are merged here.
-* **Large states split over threads.** Above ``PARALLEL_MIN_BYTES`` the byte ranges are cut
-  into ``threads`` shares of equal bytes (a large storage is split inside), one per thread of
-  a persistent pool; the calling thread copies one share itself.
-  A single thread rarely saturates memory bandwidth; several do. The default thread count is
-  ``min(4, cores of this process / local ranks)`` (``RESILIENT_CKPT_COPY_THREADS``
-  overrides it), so ranks sharing a node do not oversubscribe it.
-* **Device storages** (CUDA) keep ``Tensor.copy_`` into the pinned arena (what fills which
-  slot, and on which stream: :mod:`._device_copy`), waited for before the snapshot counts
-  as taken.
+Placement: **host storages that lie close together in memory keep their relative places in
+the arena and are copied as one range, the gaps between them included.** A state of thousands
+of small tensors allocated one after another (a model's parameters at start-up, an
+optimizer's moments at its first step) sits in memory as storages separated only by the
+allocator's headers and alignment. Placed back to back in the arena, each storage would be a
+copy call of its own, streaming through memory in the order the state was met; mirrored, a
+run of neighbours is one ``memmove`` in address order.
+
+* Host storages are sorted by address and grouped into *runs*: a storage joins the run before
+  it if it starts at most ``BRIDGE_MAX_BYTES`` after the run's end (or overlaps it: two
+  storage objects over the same memory share those bytes) and the gap is at most a sixteenth
+  of the two neighbours' bytes, so the arena grows by at most an eighth of the state however
+  small its tensors are.
+* **Reading a gap is safe**: it is shorter than the smallest page (4 KiB), so each of its
+  bytes lies on the page of the last byte of the storage before it or on the page of the
+  first byte of the storage after it, both mapped while their storages are alive (the copy
+  keeps them alive). The gap's bytes are copied but never read back: each rebuilt tensor
+  sees only its own slot.
+* A run starts at an arena offset with the alignment of its first source address modulo 64,
+  so every storage keeps its source alignment (torch's allocator aligns to 64 bytes too).
+* Device storages and empty ones follow, each at a 64-byte boundary, in the order met.
+
+Host copies:
+
+* **memmove, not ``copy_``.** Every run is one contiguous byte range, so its copy is a
+  ``ctypes.memmove``: cheaper per call than ``Tensor.copy_`` and, being a foreign call, it
+  releases the GIL, so copy threads run truly in parallel, and in overlapped staging in
+  parallel with the training step. Ranges still back to back both in memory and in the arena
+  are merged (:func:`coalesce`).
+* **Large states split over threads.** Above ``PARALLEL_MIN_BYTES`` the ranges are cut into
+  ``threads`` shares of equal bytes (a large range is split inside), one per thread of a
+  persistent pool; the calling thread copies one share itself. A single thread rarely
+  saturates memory bandwidth; several do. The default thread count is
+  ``min(4, cores of this process / local ranks)`` (``RESILIENT_CKPT_COPY_THREADS`` overrides
+  it), so ranks sharing a node do not oversubscribe it.
+
+Device copies (CUDA storages, ``copy_`` into the pinned arena, waited for before the snapshot
+counts as taken):
+
+* Where one of the request's tensors *is* its storage's bytes in order (contiguous, at
+  storage offset 0, covering the whole storage, no lazy conjugate or negative bit: the common
+  case of a parameter or an optimizer state), the copy is that tensor itself into a view of
+  its slot typed and shaped like it. Any other storage (a view into a larger buffer, a
+  transposed tensor) is copied as its raw bytes through a ``uint8`` tensor over the storage.
+* The typed slot views are kept by the arena they view (:meth:`._arena.Arena.kept_views`)
+  for the cached plan: built per save, they would cost more than the copies' own launches.
+* Overlapped staging (the whole staging on a background thread): the save call records an
+  event on the current stream of each CUDA device in use (:class:`DeviceOrder`); the staging
+  thread issues the copies on a side stream per device that first waits for that event, and
+  then waits for the side streams alone. The copies so read the values the call saw (kernels
+  queued before it included), the trainer's stream never waits for them, and the snapshot
+  never waits for the training step queued meanwhile (a device-wide synchronize would).
+
+Alternatives rejected: coalescing only exactly adjacent storages never merges two allocations
+of the CPU allocator, whose chunks carry headers; copying the gap-free bytes with a gather in
+native code would need a compiled extension.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from .._logging import get_logger
+import torch
+
+from .._torch_compat import cuda_devices_with_context
 from ..errors import ConfigurationError, StagingError
+from ._arena import Arena
+from ._worker import Slot
 
-logger = get_logger(__name__)
-
+# At most this many bytes between two host storages copied as one range; below the 4 KiB
+# page of every platform torch runs on (see the module docstring).
+BRIDGE_MAX_BYTES = 1024
+ALIGN = 64
 PARALLEL_MIN_BYTES = 8 << 20
 COPY_THREADS_ENV = "RESILIENT_CKPT_COPY_THREADS"
 
 # (destination address, source address, bytes)
 Segment = tuple[int, int, int]
+
+# -- placement: each storage's place in the arena ---------------------------------------------
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``offsets[i]``: storage i's place in an arena of ``total`` bytes. ``runs``: the host
+    copy as ``(arena offset, source address, bytes)`` ranges, in address order."""
+
+    total: int
+    offsets: tuple[int, ...]
+    runs: tuple[Segment, ...]
+
+
+def _bridgeable(gap: int, before: int, after: int) -> bool:
+    return gap <= BRIDGE_MAX_BYTES and gap * 16 <= before + after
+
+
+def place(storages: Sequence[tuple[int | None, int]]) -> Placement:
+    """Place storages given as ``(host address, or None for a device storage, bytes)``."""
+    offsets = [0] * len(storages)
+    host = sorted(
+        (address, i, nbytes)
+        for i, (address, nbytes) in enumerate(storages)
+        if address is not None and nbytes
+    )
+    runs: list[Segment] = []
+    cursor = 0
+    start = end = previous = 0
+    for address, i, nbytes in host:
+        if runs and _bridgeable(address - end, previous, nbytes):
+            end = max(end, address + nbytes)
+        else:
+            if runs:
+                runs[-1] = (runs[-1][0], start, end - start)
+                cursor = runs[-1][0] + end - start
+            start, end = address, address + nbytes
+            runs.append((align(cursor) + start % ALIGN, start, 0))
+        offsets[i] = runs[-1][0] + address - start
+        previous = nbytes
+    if runs:
+        runs[-1] = (runs[-1][0], start, end - start)
+        cursor = runs[-1][0] + end - start
+    cursor = align(cursor)
+    for i, (where, size) in enumerate(storages):
+        if where is None or not size:
+            offsets[i] = cursor
+            cursor += align(size)
+    return Placement(cursor, tuple(offsets), tuple(runs))
+
+
+# -- host copies: memmove on copy threads ------------------------------------------------------
 
 
 def default_copy_threads() -> int:
@@ -167,7 +275,7 @@ def copy_all(
     base: int = 0,
 ) -> None:
     """Copy ``host`` ranges, then complete the device copies already issued
-    (``device_wait``, from :func:`._device_copy.start_copies`, so they ran meanwhile);
+    (``device_wait``, from :func:`start_copies`, so they ran meanwhile);
     every byte is in the arena when this returns, or when it raises.
 
     The calling thread takes one share of the host ranges, the pool the others. ``shares``
@@ -194,3 +302,245 @@ def copy_all(
         device_wait()
     if errors:
         raise StagingError(f"copying the snapshot into shared memory failed: {errors[0]!r}")
+
+
+# -- device copies: copy_ into the pinned arena ------------------------------------------------
+
+StorageKey = tuple[str, int, int]
+
+
+class DeviceSlot(NamedTuple):
+    """A device storage's slot (``offset``, ``nbytes``) and the request's tensor (its index,
+    ``source``) read to fill it; ``whole``: that tensor is the storage's bytes in order."""
+
+    offset: int
+    nbytes: int
+    source: int
+    whole: bool
+
+
+def is_host(storage: torch.UntypedStorage) -> bool:
+    """Whether staging copies ``storage`` as host memory (memmove) rather than with ``copy_``."""
+    return storage.device.type == "cpu"
+
+
+class DevicePlan(NamedTuple):
+    """A request's device copies: one entry per non-empty device slot, in slot order, and
+    the CUDA devices they read (each synchronized before the snapshot counts as taken). Its
+    identity keys the destinations an arena keeps for it."""
+
+    slots: tuple[DeviceSlot, ...] = ()
+    cuda: tuple[int, ...] = ()
+
+
+NO_DEVICE = DevicePlan()
+
+
+def storage_key(storage: torch.UntypedStorage) -> StorageKey:
+    """How staging tells storages apart (device type, address, bytes)."""
+    return (storage.device.type, storage.data_ptr(), storage.nbytes())
+
+
+def _is_whole(tensor: torch.Tensor, nbytes: int) -> bool:
+    return (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.numel() * tensor.element_size() == nbytes
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
+def plan_device_copies(
+    tensors: Sequence[torch.Tensor],
+    slot_of: Mapping[StorageKey, int],
+    slots: Sequence[Slot],
+    host: Sequence[bool],
+) -> DevicePlan:
+    """The plan for ``tensors``, whose storages have the slots ``slot_of`` names (``host``:
+    per slot, whether it is copied as host memory instead); a tensor that is its storage's
+    whole bytes is preferred over a view into it."""
+    chosen: dict[int, DeviceSlot] = {}
+    for index, tensor in enumerate(tensors):
+        key = storage_key(tensor.untyped_storage())
+        slot = slot_of.get(key) if key[2] else None
+        if slot is None or host[slot]:  # empty, pickled by value (no slot), or on the host
+            continue
+        whole = _is_whole(tensor, key[2])
+        known = chosen.get(slot)
+        if known is None or (whole and not known.whole):
+            chosen[slot] = DeviceSlot(slots[slot][0], key[2], index, whole)
+    entries = tuple(chosen[slot] for slot in sorted(chosen))
+    cuda = {tensors[e.source].get_device() for e in entries if tensors[e.source].is_cuda}
+    return DevicePlan(entries, tuple(sorted(cuda)))
+
+
+def _destination(arena: Arena, entry: DeviceSlot, tensor: torch.Tensor) -> torch.Tensor:
+    dst = arena.view(entry.offset, entry.nbytes)
+    return dst.view(tensor.dtype).view(tensor.shape) if entry.whole else dst
+
+
+def destinations(
+    plan: DevicePlan, arena: Arena, tensors: Sequence[torch.Tensor], *, keep: bool = False
+) -> list[torch.Tensor]:
+    """The views of ``arena`` that ``plan``'s entries fill. ``keep``: the plan is the
+    staging cache's, reused save after save: they are built once per arena and kept by it
+    (the warm-up builds them, so that the first save does not)."""
+    views = arena.kept_views(plan) if keep else None
+    if views is None:
+        views = [_destination(arena, entry, tensors[entry.source]) for entry in plan.slots]
+        if keep:
+            arena.keep_views(plan, views)
+    return views
+
+
+def device_pairs(
+    plan: DevicePlan,
+    arena: Arena,
+    tensors: Sequence[torch.Tensor],
+    *,
+    keep: bool = False,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(destination, source)`` for each entry of ``plan``, into ``arena`` (``keep``: see
+    :func:`destinations`)."""
+    if not plan.slots:
+        return []
+    views = destinations(plan, arena, tensors, keep=keep)
+    pairs = []
+    for entry, dst in zip(plan.slots, views, strict=True):
+        src = tensors[entry.source]
+        if not entry.whole:
+            raw = torch.empty(0, dtype=torch.uint8, device=src.device)
+            src = raw.set_(src.untyped_storage())
+        pairs.append((dst, src))
+    return pairs
+
+
+CopyPair = tuple[torch.Tensor, torch.Tensor]  # (destination, source)
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def _side_stream(device: int) -> torch.cuda.Stream:
+    with _SIDE_LOCK:
+        stream = _SIDE_STREAMS.get(device)
+        if stream is None:
+            stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+        return stream
+
+
+def make_side_streams(devices: Sequence[int]) -> None:
+    """Create the side streams of ``devices`` now, where the caller waits for them anyway.
+
+    The first stream made on a device waits for all the work queued there: made by a
+    staging thread, it would wait for the training step queued after the call. So they are
+    made by the warm-up and by every save that synchronizes the devices it read, not by an
+    overlapped save.
+    """
+    for device in devices:
+        _side_stream(device)
+
+
+class DeviceOrder:
+    """Made in the save call, on the trainer's thread (CUDA initialised): an event on the
+    current stream of every device in use, and the current device. :meth:`adopt` and
+    :meth:`copy` run on the staging thread."""
+
+    def __init__(self) -> None:
+        self.device = torch.cuda.current_device()
+        self._events: dict[int, torch.cuda.Event] = {}
+        for device in cuda_devices_with_context():
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._events[device] = event
+
+    def adopt(self) -> None:
+        """Make the trainer's current device this thread's (the current device is per
+        thread: pinning an arena here must not open a context on device 0)."""
+        torch.cuda.set_device(self.device)
+
+    def copy(self, pairs: Sequence[CopyPair], non_blocking: bool) -> list[torch.cuda.Stream]:
+        """Issue ``pairs`` after the recorded events; the side streams to synchronize
+        (waited for already if issuing fails, see :func:`start_copies`)."""
+        by_device: dict[int, list[CopyPair]] = {}
+        for pair in pairs:
+            by_device.setdefault(pair[1].get_device() if pair[1].is_cuda else -1, []).append(pair)
+        streams: list[torch.cuda.Stream] = []
+        try:
+            for device, group in by_device.items():
+                if device < 0:  # another device type: copied synchronously, in order
+                    _issue(group, False, ())
+                    continue
+                stream = _side_stream(device)
+                event = self._events.get(device)
+                if event is None:  # not in use at the call: wait for its queued work
+                    torch.cuda.synchronize(device)
+                else:
+                    stream.wait_event(event)
+                streams.append(stream)
+                with torch.cuda.stream(stream):
+                    _issue(group, non_blocking, ())
+        except BaseException:
+            for stream in streams:
+                stream.synchronize()
+            raise
+        return streams
+
+
+def _issue(pairs: Sequence[CopyPair], non_blocking: bool, cuda: Sequence[int]) -> None:
+    """``copy_`` each pair on the current streams (the devices ``cuda`` synchronized
+    already if one fails, see :func:`start_copies`)."""
+    try:
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=non_blocking)
+    except BaseException:
+        for device in cuda:
+            torch.cuda.synchronize(device)
+        raise
+
+
+def _wait_streams(streams: Sequence[torch.cuda.Stream]) -> None:
+    for stream in streams:
+        stream.synchronize()
+
+
+def _wait_devices(cuda: Sequence[int]) -> None:
+    for device in cuda:
+        torch.cuda.synchronize(device)
+    make_side_streams(cuda)  # for overlapped saves, made while the devices are idle
+
+
+def _nothing() -> None:
+    return None
+
+
+def start_copies(
+    plan: DevicePlan,
+    arena: Arena,
+    tensors: Sequence[torch.Tensor],
+    *,
+    keep: bool = False,
+    order: DeviceOrder | None = None,
+) -> Callable[[], None]:
+    """Issue ``plan``'s copies into ``arena`` and return the wait that completes them:
+    on the calling thread's current streams (the wait synchronizes each device read), or,
+    with ``order`` (a background staging), on side streams after the save call's events
+    (the wait synchronizes those streams alone). ``keep``: see :func:`destinations`.
+
+    A copy that fails to issue raises :class:`StagingError` once what was issued before it
+    has completed: the caller then gives the arena back, and nothing may still write in it.
+    """
+    if not plan.slots:
+        return _nothing
+    pairs = device_pairs(plan, arena, tensors, keep=keep)
+    try:
+        if order is not None:
+            return functools.partial(_wait_streams, order.copy(pairs, arena.pinned))
+        _issue(pairs, arena.pinned, plan.cuda)
+    except Exception as exc:
+        raise StagingError(
+            f"copying the snapshot's device tensors into shared memory failed: {exc!r}"
+        ) from exc
+    return functools.partial(_wait_devices, plan.cuda)

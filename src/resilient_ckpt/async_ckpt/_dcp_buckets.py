@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 
 from .._torch_compat import DTensor, Replicate, Shard
 from ..errors import CheckpointingException, ConfigurationError
-from ._batch import PLAIN_TENSOR_TYPES, SourcedBatch, TensorBatch
 from ._dcp_write import WriteBucket
+from ._staging import PLAIN_TENSOR_TYPES, SourcedBatch, TensorBatch
 
 _CACHE_SIZE = 4
 

@@ -21,7 +21,7 @@ Nothing is assumed: the staging runs the very same planning as the call would, o
 and on another thread. Its collectives therefore run on the library's *background* gloo
 group (:func:`resilient_ckpt._dist.background_group`), never on a group the trainer's
 thread uses, so they cannot interleave with the trainer's own collectives; and it always
-runs on the one staging thread of the process (:func:`._snapshot.in_staging_order`), so
+runs on the one staging thread of the process (:func:`._staging.in_staging_order`), so
 the deferred saves of every queue plan in the order they were staged, on every rank.
 
 What the caller gives up: errors of planning (a state dict that cannot be saved, an
@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidRequestError
-from ._snapshot import in_staging_order
+from ._staging import in_staging_order
 
 
 class DeferredArgument:

@@ -41,13 +41,11 @@ from ..errors import (
 from . import _worker
 from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, LocalStatus, State, exit_description, failure_error
-from ._copy import check_copy_threads, warm_threads
+from ._copy import DeviceOrder, check_copy_threads, make_side_streams, warm_threads
 from ._deferred import resolve_deferred
-from ._device_copy import DeviceOrder, make_side_streams
 from ._request import AsyncRequest
-from ._snapshot import PendingSnapshot
 from ._stage_cache import StageCache
-from ._staging import StagedRequest, prime, stage
+from ._staging import PendingSnapshot, StagedRequest, prime, stage
 from ._worker import (
     AttachArena,
     Channel,
@@ -234,7 +232,7 @@ class PersistentAsyncCaller(AsyncCaller):
         """Stage ``async_req`` and hand it to the worker.
 
         With ``overlap_staging`` the snapshot completes after this returns (see
-        :mod:`._snapshot`); the request reaches the worker at :meth:`wait_for_snapshot`
+        :mod:`._staging`); the request reaches the worker at :meth:`wait_for_snapshot`
         (called implicitly by every other method of this caller, so it is never lost).
         """
         self._drain()  # settles a pending snapshot first
@@ -257,7 +255,7 @@ class PersistentAsyncCaller(AsyncCaller):
         )
         if overlap_staging:
             self._reserve_arena_room()
-            # In the background nothing may wait for an arena (see _snapshot): there is room.
+            # In the background nothing may wait for an arena (see _staging): there is room.
             order = DeviceOrder() if torch.cuda.is_initialized() else None
             background = functools.partial(stage_request, wait_for_release=_no_wait, order=order)
             self._inflight[call_idx] = None

@@ -29,7 +29,7 @@ new address or layout and misses.
 
 Only requests whose tensors are all strided are cached (by-value tensors would repeat stale
 values). Device tensors are: their copies are planned from the layouts too
-(:mod:`._device_copy`), which tensor fills which slot, and the slots' typed views are kept
+(:mod:`._copy`), which tensor fills which slot, and the slots' typed views are kept
 by each arena. The cache holds no reference to any tensor: only the layouts (plain values)
 and the plans.
 
@@ -43,16 +43,26 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._logging import get_logger
 from ._arena import Arena, ArenaPool
-from ._batch import SourcedBatch
-from ._copy import Segment, copy_all, plan_shares
-from ._device_copy import NO_DEVICE, DeviceOrder, DevicePlan, destinations, start_copies
+from ._copy import (
+    NO_DEVICE,
+    DeviceOrder,
+    DevicePlan,
+    Segment,
+    copy_all,
+    destinations,
+    plan_shares,
+    start_copies,
+)
 from ._worker import Slot
+
+if TYPE_CHECKING:  # _staging imports this module
+    from ._staging import SourcedBatch
 
 logger = get_logger(__name__)
 

@@ -1,23 +1,45 @@
-"""Snapshotting a request's tensors into reusable shared memory.
+"""Staging: a request's tensors snapshotted into reusable shared memory, and back out.
 
 Decision: the trainer copies every tensor reachable from a request (its ``async_fn``,
 arguments, keyword arguments and ``preload_fn``, however deeply nested, inside dataclasses
 and partials too) into an *arena*: one ``memfd`` shared-memory region mapped by both the
-trainer and its worker. When ``schedule_async_request`` returns, the checkpoint content is
-fixed; training may change its tensors at once.
+trainer and its worker (:mod:`._arena`). When ``schedule_async_request`` returns, the
+checkpoint content is fixed; training may change its tensors at once. Arenas are kept in a
+pool and reused for every save whose bytes fit, so in steady state no segment is created per
+save and host memory does not grow.
 
-How: the request is pickled once with a :class:`pickle.Pickler` whose ``dispatch_table``
-maps ``torch.Tensor`` and ``Parameter`` to a reducer that replaces each strided CPU or CUDA
-tensor by a small descriptor (slot, dtype, size, stride, offset). The table is looked up by
-the C pickler only for objects of those types, so the cost is one Python call per tensor,
-not one per pickled object (a ``persistent_id`` method is called for every object: ~75 per
-DCP write item). Tensors are grouped by *storage*, so views and tied weights stay shared
-exactly as ``torch.save`` would see them. The slots are laid out in the arena
-(:mod:`._placement`: host storages near each other in memory keep their relative places)
-and filled by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for CUDA),
-in the save call or, in overlapped mode, with the whole of :func:`stage` on a background
-thread until ``wait_for_snapshot`` (:mod:`._snapshot`). In the worker, unpickling rebuilds
-each descriptor as a tensor whose storage is exactly its slot (:mod:`._unstaging`).
+Trainer side: the request is pickled once with a :class:`pickle.Pickler` whose
+``dispatch_table`` maps ``torch.Tensor`` and ``Parameter`` to a reducer that replaces each
+strided CPU or CUDA tensor by a small descriptor (slot, dtype, size, stride, offset). The
+table is looked up by the C pickler only for objects of those types, so the cost is one
+Python call per tensor, not one per pickled object (a ``persistent_id`` method is called for
+every object, dozens per DCP write item). Tensors are grouped by *storage*, so views and tied
+weights stay shared exactly as ``torch.save`` would see them. The slots are laid out in the
+arena and filled by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for
+CUDA). A request laid out like the previous one reuses its descriptors and copy plan
+(:mod:`._stage_cache`).
+
+Batches: a reducer call and a descriptor pickled per tensor add up for a save of thousands.
+Lists our own code builds (a DCP bucket's tensors, a local shard's) are known to hold only
+tensors, so they travel as one blob of descriptors per list (:class:`TensorBatch`). A
+:class:`SourcedBatch` (the async DCP writer's bucket, whose tensors the worker must get
+*detached*) is staged as the detached tensors would be, without making them: nothing but the
+bytes and the layout ever leaves the trainer. A ``torch.save`` state's dicts of tensors are
+batched too (:class:`TensorDict`).
+
+Worker side (:func:`unstage`): unpickling rebuilds each descriptor as a tensor whose storage is
+exactly its slot of the arena, one storage per slot.
+
+Overlapped staging (``schedule_async_request(..., overlap_staging=True)``): the call returns
+at once and the whole of :func:`stage` (pickling, the staging cache's check, the arena, the
+copy) runs on one background thread until ``wait_for_snapshot`` (:class:`PendingSnapshot`):
+the per-tensor Python work of a request of thousands of tensors is off the trainer's path as
+well as the copy. The request's objects (its containers and values, not only its tensors)
+must stay unchanged until the wait, and a request that cannot be pickled is reported by the
+wait instead of the call. CUDA tensors are copied on side streams ordered after the call
+(:class:`._copy.DeviceOrder`). Only the trainer's thread reads the worker's results, so a
+background staging must never wait for an arena: the caller makes sure one is free (or may
+be created) before starting it.
 
 Alternatives rejected:
 
@@ -30,9 +52,8 @@ Alternatives rejected:
   tokens), and for a dict of tensors the pickle is already as cheap as reading each
   tensor's layout. What is expensive and stable, the DCP write items, is cached per plan
   where the plan is (:mod:`._dcp_buckets`).
-
-Arenas are kept in a pool (:mod:`._arena`) and reused for every save whose bytes fit, so in
-steady state no segment is created per save and host memory does not grow.
+* Issuing the device copies in the save call of an overlapped staging: the call would then
+  cost more than a plain copy loop into pinned memory.
 """
 
 from __future__ import annotations
@@ -41,41 +62,201 @@ import copyreg
 import importlib
 import io
 import pickle
+import threading
+import time
 import types
+from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .._logging import get_logger
-from ..errors import CheckpointingException, InvalidRequestError
-from . import _device_copy
+from .._torch_compat import pending_sparse_tensors, validate_loaded_sparse_tensors
+from ..errors import (
+    CheckpointingException,
+    CheckpointTimeoutError,
+    InvalidRequestError,
+    StagingError,
+)
+from . import _copy
 from ._arena import Arena, ArenaPool
-from ._batch import SourcedBatch, TensorBatch
-from ._copy import copy_all
-from ._device_copy import (
+from ._copy import (
     NO_DEVICE,
     DeviceOrder,
     DevicePlan,
+    Placement,
     StorageKey,
+    ThreadPool,
+    copy_all,
+    place,
     plan_device_copies,
     start_copies,
     storage_key,
 )
-from ._placement import Placement, place
 from ._stage_cache import StageCache
-from ._unstaging import rebuild_batch, rebuild_staged
 from ._worker import Slot, SlotTable
 
 logger = get_logger(__name__)
+
+
+# -- batches: many tensors described in one reducer call --------------------------------------
+
+# The exact types of the tensors staging can describe without any check beyond its layout
+# (no subclass with state of its own): what a batch may hold, and what the steady-state
+# walks of the DCP and local flows treat as plain tensors.
+PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+class TensorBatch(list):
+    """Tensors that staging describes in one reducer call: one pickled blob of descriptors
+    per batch, not one per tensor.
+
+    For lists our own code builds, whose elements are never the same tensor object as
+    elsewhere in the request: unlike pickling them one by one, a batch does not share
+    rebuilt *objects* with the rest of the request (storages are still shared: every slot
+    is keyed by its storage). Unpickled, it is a plain list.
+    """
+
+    __slots__ = ()
+
+
+class SourcedBatch:
+    """A batch of tensors found only when staging meets it, staged as their ``detach()``.
+
+    ``checked()`` gives the tensors to copy from, after every check its owner needs (for a
+    full staging). ``quick()`` gives the same tensors found without the per-tensor checks,
+    or None where it cannot: only the staging cache's optimistic pickle calls it, and that
+    pickle is used only if the tensors' layouts equal those of a previous *full*
+    staging of the same request. The owner guarantees that equal layouts imply the checks
+    pass (e.g. a storage size check is implied by equal shapes, dtypes and storage sizes).
+
+    Pickled by anything but staging, it is the plain list of the detached tensors.
+    """
+
+    __slots__ = ("checked", "quick")
+
+    def __init__(
+        self,
+        checked: Callable[[], list[torch.Tensor]],
+        quick: Callable[[], list[torch.Tensor] | None],
+    ) -> None:
+        self.checked = checked
+        self.quick = quick
+
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        return list, (list(map(torch.Tensor.detach, self.checked())),)
+
+
+# A dict with fewer tensors gains less from one batch than its checks cost.
+MIN_BATCHED = 8
+_DICTS = (dict, OrderedDict)
+
+
+class TensorDict:
+    """A ``dict`` (or ``OrderedDict``, with its attributes) of distinct tensors, staged as
+    one :class:`TensorBatch`; unpickled, it is the same dict again.
+
+    For the ``torch.save`` flow, whose state is the user's: a model's ``state_dict()`` is one
+    dict of hundreds to thousands of tensors, each a reducer call and a descriptor of its own
+    otherwise. Its tensors are rebuilt as the batch's objects: a tensor of the dict that the
+    rest of the state also holds (the very object, not a view or a tied weight, which share
+    storages and stay shared) is rebuilt as a second tensor over the same storage.
+    """
+
+    __slots__ = ("attrs", "keys", "kind", "tensors")
+
+    def __init__(
+        self, kind: type, keys: list, tensors: TensorBatch, attrs: dict | None = None
+    ) -> None:
+        self.kind = kind
+        self.keys = keys
+        self.tensors = tensors
+        self.attrs = attrs
+
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        return _rebuild_dict, (self.kind, self.keys, self.tensors, self.attrs)
+
+
+def _rebuild_dict(kind: type, keys: list, tensors: list, attrs: dict | None) -> dict:
+    rebuilt = kind(zip(keys, tensors, strict=True))
+    if attrs:
+        rebuilt.__dict__.update(attrs)
+    return rebuilt
+
+
+def _as_batch(obj: Any) -> TensorDict | None:
+    """``obj`` as a :class:`TensorDict` if it is a dict of at least ``MIN_BATCHED`` distinct
+    tensors (checked by C-level passes), else None."""
+    if type(obj) not in _DICTS or len(obj) < MIN_BATCHED:
+        return None
+    values = list(obj.values())
+    if not set(map(type, values)) <= PLAIN_TENSOR_TYPES or len(set(map(id, values))) != len(values):
+        return None
+    return TensorDict(type(obj), list(obj), TensorBatch(values), _attributes(obj))
+
+
+def _attributes(obj: dict) -> dict | None:
+    """An ``OrderedDict``'s own attributes (a module ``state_dict()``'s ``_metadata``)."""
+    return dict(vars(obj)) if type(obj) is OrderedDict and vars(obj) else None
+
+
+def batch_tensor_dicts(state: Any) -> Any:
+    """``state`` with its dicts of tensors as :class:`TensorDict`: ``state`` itself, or its
+    direct dict values (the ``"model"`` of ``{"model": ..., "optimizer": ..., "step": ...}``);
+    nothing deeper, so the cost is a few C-level passes per candidate dict. The caller's
+    objects are not changed (a new outer dict of the same type holds the replacements), and a
+    dict met under two keys stays one object."""
+    whole = _as_batch(state)
+    if whole is not None:
+        return whole
+    if type(state) not in _DICTS:
+        return state
+    replaced: dict[int, TensorDict | None] = {}
+    for value in state.values():
+        if type(value) in _DICTS and id(value) not in replaced:
+            replaced[id(value)] = _as_batch(value)
+    if not any(replaced.values()):
+        return state
+    outer = type(state)(
+        (key, replaced.get(id(value)) or value) if type(value) in _DICTS else (key, value)
+        for key, value in state.items()
+    )
+    attrs = _attributes(state)
+    if attrs:
+        outer.__dict__.update(attrs)
+    return outer
+
+
+class BatchedWhenPickled:
+    """``state`` staged as :func:`batch_tensor_dicts` makes it, the checks made when staging
+    pickles it rather than when the save is called: with overlapped staging the pickling
+    runs on the background thread, and so do the checks' passes over every tensor. Unpickled,
+    it is ``state`` (the same dicts again)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        return _identity, (batch_tensor_dicts(self.state),)
+
+
+def _identity(obj: Any) -> Any:
+    return obj
+
+
+# -- trainer side: pickling a request into descriptors, copying its storages ----------------
 
 
 @dataclass
 class _PendingSlot:
     storage: torch.UntypedStorage
     nbytes: int
-    host: bool  # copied as host memory (memmove), else with copy_ (see _device_copy)
+    host: bool  # copied as host memory (memmove), else with copy_ (see _copy)
     offset: int = 0
 
 
@@ -122,7 +303,7 @@ class _Collector:
         slot = self.slot_of.get(key)
         if slot is None or nbytes == 0:
             slot = len(self.slots)
-            self.slots.append(_PendingSlot(storage, nbytes, _device_copy.is_host(storage)))
+            self.slots.append(_PendingSlot(storage, nbytes, _copy.is_host(storage)))
             self.slot_of[key] = slot
         return (
             slot,
@@ -223,7 +404,7 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
 
 
 def _layout(slots: list[_PendingSlot]) -> tuple[Placement, tuple[Slot, ...]]:
-    """Place ``slots`` in an arena (see :mod:`._placement`), setting each one's offset;
+    """Place ``slots`` in an arena (see :mod:`._copy`), setting each one's offset;
     the placement and the slots' table for the worker."""
     placement = place([(p.storage.data_ptr() if p.host else None, p.nbytes) for p in slots])
     for slot, offset in zip(slots, placement.offsets, strict=True):
@@ -244,7 +425,7 @@ def copy_into(
 
     Host storages are copied by :func:`._copy.copy_all` as the placement's runs (memmove,
     ``threads`` threads); device storages with ``copy_`` as ``device`` plans, after
-    ``order`` where given (see :mod:`._device_copy`).
+    ``order`` where given (see :mod:`._copy`).
     """
     base = arena.address
     host = [(base + dst, src, n) for dst, src, n in placement.runs]
@@ -265,7 +446,7 @@ def stage(
     """Pickle ``obj`` and copy its tensors into an arena from ``pool``.
 
     ``order``: the save call's place in the CUDA streams, when this runs on the staging
-    thread (overlapped staging, see :mod:`._device_copy`).
+    thread (overlapped staging, see :class:`._copy.DeviceOrder`).
     With ``cache``, a request laid out like the previous one reuses its descriptors and copy
     plan (:mod:`._stage_cache`); otherwise it is staged fully and the cache rebuilt.
     """
@@ -344,3 +525,145 @@ def prime(
     device = _device_plan(collector, slots)
     _remember(cache, collector, slots, placement, device, threads, counted=False)
     return placement.total, collector.tensors
+
+
+# -- worker side: a staged request unpickled over its arena -----------------------------------
+
+
+class _UnstageContext(threading.local):
+    arena: Arena | None = None
+    slots: tuple[Slot, ...] = ()
+    storages: dict[int, torch.UntypedStorage] | None = None
+
+
+_unstaging = _UnstageContext()
+
+
+def rebuild_staged(
+    slot: int,
+    dtype: torch.dtype,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    offset: int,
+    requires_grad: bool,
+    is_param: bool,
+) -> torch.Tensor:
+    """Worker side: a tensor whose storage is its slot of the arena being unstaged."""
+    storages = _unstaging.storages
+    if storages is None:
+        raise StagingError("a staged tensor was unpickled outside of unstage()")
+    storage = storages.get(slot)
+    if storage is None:
+        arena = _unstaging.arena
+        if arena is None:
+            raise StagingError("request references staged tensors but no arena")
+        offset_in_arena, nbytes = _unstaging.slots[slot]
+        storage = arena.view(offset_in_arena, nbytes).untyped_storage()
+        storages[slot] = storage
+    tensor = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+    if is_param:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def rebuild_batch(descriptors: bytes) -> list[torch.Tensor]:
+    """Worker side: a :class:`TensorBatch`'s tensors, each over its slot."""
+    return [rebuild_staged(*args) for args in pickle.loads(descriptors)]
+
+
+def unstage(payload: bytes, arena: Arena | None, slots: tuple[Slot, ...]) -> Any:
+    """Worker side: unpickle a staged request; its tensors view ``arena``."""
+    _unstaging.arena, _unstaging.slots, _unstaging.storages = arena, slots, {}
+    try:
+        obj = pickle.loads(payload)
+    except BaseException:
+        pending_sparse_tensors().clear()
+        raise
+    finally:
+        _unstaging.arena, _unstaging.slots, _unstaging.storages = None, (), None
+    # What torch.load does after unpickling: torch's sparse-tensor rebuild puts every sparse
+    # tensor on a process-wide list to validate once its storages are loaded. Not emptied
+    # here, the list would keep them (and the arena memory they view) alive until some later
+    # torch.load in this process validates them, by then over reused memory (torch 2.5 then
+    # fails that unrelated load: "size is inconsistent with indices").
+    validate_loaded_sparse_tensors()
+    return obj
+
+
+# -- overlapped staging: the snapshot on a background thread ----------------------------------
+
+_STAGER_PREFIX = "resilient_ckpt-stage"
+_STAGER = ThreadPool(_STAGER_PREFIX)
+
+T = TypeVar("T")
+
+
+def in_staging_order(fn: Callable[[], T]) -> T:
+    """``fn()`` on the staging thread, after every background staging submitted before it.
+
+    The planning of deferred saves (see :mod:`._deferred`) runs collectives on a group of
+    its own; running it here keeps those collectives in the order the saves were staged in,
+    the same on every rank, even when one queue's overlapped staging is still running while
+    another queue (or the fork queue's ``preload_fn``) plans a save in the trainer's thread.
+    """
+    if threading.current_thread().name.startswith(_STAGER_PREFIX):
+        return fn()
+    return _STAGER.get(1).submit(fn).result()
+
+
+def _timed(stage: Callable[[], StagedRequest]) -> tuple[StagedRequest, float]:
+    started = time.perf_counter()
+    staged = stage()
+    return staged, time.perf_counter() - started
+
+
+class PendingSnapshot:
+    """One overlapped snapshot: its staging, running on the staging thread."""
+
+    def __init__(self, call_idx: int, stage: Callable[[], StagedRequest]) -> None:
+        self.call_idx = call_idx
+        self._future: Future[tuple[StagedRequest, float]] | None = _STAGER.get(1).submit(
+            _timed, stage
+        )
+
+    def wait(self, timeout: float) -> tuple[StagedRequest, float]:
+        """The complete staged request and the staging's seconds. Raises what the staging
+        raised; on a deadline, the staging still running releases its arena through
+        ``release`` given to :meth:`abandon`."""
+        if self._future is None:
+            raise StagingError(f"snapshot of async request {self.call_idx} was already abandoned")
+        try:
+            staged, staging_s = self._future.result(timeout)
+        except TimeoutError as exc:
+            raise CheckpointTimeoutError(
+                f"the snapshot of async request {self.call_idx} was not staged within "
+                f"{timeout:.0f}s"
+            ) from exc
+        self._future = None
+        return staged, staging_s
+
+    def abandon(self, release: Callable[[int], None], timeout: float | None = None) -> None:
+        """Give up this snapshot: its arena goes back to the pool once nothing writes it.
+
+        ``timeout``: how long to wait for the staging here (None: do not wait; a staging
+        still running then releases its arena when it ends).
+        """
+        future, self._future = self._future, None
+        if future is None:
+            return
+        future.add_done_callback(lambda f: self._release_result(f, release))
+        if timeout is not None:
+            try:
+                future.result(timeout)
+            except BaseException as exc:  # reported by whoever waited, or lost with it
+                logger.debug("abandoned staging of request %d: %r", self.call_idx, exc)
+
+    @staticmethod
+    def _release_result(future: Future[Any], release: Callable[[int], None]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        staged, _ = future.result()
+        if staged.arena is not None:
+            release(staged.arena.arena_id)

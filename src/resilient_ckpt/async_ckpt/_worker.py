@@ -318,7 +318,7 @@ def _receive_loop(channel: Channel, arenas: dict[int, Any], work: queue.Queue) -
 
 
 def _execute(submit: Submit, arenas: dict[int, Any]) -> Result:
-    from ._unstaging import unstage
+    from ._staging import unstage
 
     timings: dict[str, float] = {}
     try:

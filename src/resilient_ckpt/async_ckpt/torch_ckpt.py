@@ -25,7 +25,7 @@ from ..storage.base import is_msc_url
 from ..storage.commit import write_atomically
 from ..storage.factory import get_backend
 from ..utils import iter_tensors, preload_tensors
-from ._batch import BatchedWhenPickled
+from ._staging import BatchedWhenPickled
 from .core import AsyncCallsQueue, AsyncRequest
 
 

@@ -36,8 +36,8 @@ from typing import IO, Any
 import torch
 
 from .._checksum import CrcPipe, crc32
-from ..async_ckpt._batch import TensorBatch
 from ..async_ckpt._stage_cache import tensor_meta
+from ..async_ckpt._staging import TensorBatch
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._pickled import PickledOnce, PickledValue, spliced

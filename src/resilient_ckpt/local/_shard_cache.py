@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ..async_ckpt._batch import PLAIN_TENSOR_TYPES, TensorBatch
+from ..async_ckpt._staging import PLAIN_TENSOR_TYPES, TensorBatch
 from ._format import RecordMemo, ShardLayout, align, header_of
 from ._pickled import PickledOnce, PickledValue, constant_size, rebuild, shell_of
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
