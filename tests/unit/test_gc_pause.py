@@ -1,4 +1,4 @@
-"""The collector pause around the DCP finalize (``resilient_ckpt._gc_pause``)."""
+"""The collector pause around the DCP finalize (``state_dict_saver.collector_paused``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from resilient_ckpt._gc_pause import collector_paused
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+from resilient_ckpt.async_ckpt.state_dict_saver import collector_paused
 from tests.fault._common import dcp_request
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -39,7 +39,6 @@ LAYER_OF = {
     "_logging": BASE,
     "_dist": BASE,
     "_checksum": BASE,
-    "_gc_pause": BASE,
     "_torch_compat": BASE,
     "utils": BASE,
     "storage": STORAGE,

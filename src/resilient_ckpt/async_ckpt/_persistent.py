@@ -40,12 +40,10 @@ from ..errors import (
 )
 from . import _worker
 from ._arena import Arena, ArenaPool
-from ._callers import AsyncCaller, LocalStatus, State, exit_description, failure_error
+from ._callers import AsyncCaller, AsyncRequest, LocalStatus, State, exit_description, failure_error
 from ._copy import DeviceOrder, check_copy_threads, make_side_streams, warm_threads
-from ._deferred import resolve_deferred
-from ._request import AsyncRequest
 from ._stage_cache import StageCache
-from ._staging import PendingSnapshot, StagedRequest, prime, stage
+from ._staging import PendingSnapshot, StagedRequest, prime, resolve_deferred, stage
 from ._worker import (
     AttachArena,
     Channel,
@@ -69,7 +67,7 @@ def _complete_and_stage(
     request: tuple, *args: Any, order: DeviceOrder | None = None, **kwargs: Any
 ) -> StagedRequest:
     """Stage ``(async_fn, args, kwargs, preload_fn)`` after completing its deferred
-    arguments (a save planned at staging, see :mod:`._deferred`): here, so that
+    arguments (a save planned at staging, see :mod:`._staging`): here, so that
     in overlapped staging that work runs on the staging thread too (``order``: that
     thread's place in the save call's CUDA streams)."""
     if order is not None:

@@ -59,9 +59,8 @@ from torch.futures import Future
 
 from .._torch_compat import has_stream_transforms, storage_type_dtypes
 from ..errors import CorruptCheckpointError
-from ..storage.base import is_msc_url
+from ..storage.base import get_backend, is_msc_url
 from ..storage.commit import COMMIT_RECORD
-from ..storage.factory import get_backend
 
 __all__ = ["CachedMetadataFileSystemReader", "clear_metadata_cache"]
 

@@ -28,10 +28,15 @@ from typing import Any, ClassVar, NamedTuple
 from .._logging import get_logger
 from ..config import Timeouts, WorkerOptions, default_timeouts
 from ..errors import QueueClosedError
-from ._callers import AsyncCaller, TemporalAsyncCaller, agree_on_call
+from ._callers import (
+    AsyncCaller,
+    AsyncRequest,
+    TemporalAsyncCaller,
+    agree_on_call,
+    validate_request,
+)
 from ._copy import check_copy_threads
 from ._persistent import PersistentAsyncCaller
-from ._request import AsyncRequest, validate_request
 
 logger = get_logger(__name__)
 

@@ -97,7 +97,7 @@ from ._dcp_write import (
     run_write_job,
     write_file,
 )
-from ._deferred import DeferredList, resolved
+from ._staging import DeferredList, resolved
 
 logger = get_logger(__name__)
 
@@ -427,7 +427,7 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     def defer_write_data(self, complete: Any) -> None:
         """Prepare a save whose plan is made when its request is staged (see
-        :mod:`._deferred`): the payload is a ``DeferredList`` of buckets that ``complete``
+        :mod:`._staging`): the payload is a ``DeferredList`` of buckets that ``complete``
         (planning, which ends in :meth:`prepare_write_data`) fills."""
         self._job = self._new_job()
         self._deferred = DeferredList(complete, f"the DCP save to {self.checkpoint_dir!r}")

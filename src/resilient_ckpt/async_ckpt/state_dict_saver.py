@@ -41,7 +41,9 @@ reuse avoids).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import pickle
 import time
 from collections.abc import Iterator
@@ -58,7 +60,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import _dist
-from .._gc_pause import collector_paused
 from .._logging import get_logger
 from .._rank_errors import RankFailureError, from_checkpoint_exception, is_wrapped_failure
 from ..errors import CheckpointingException, ConfigurationError, InvalidRequestError
@@ -77,6 +78,31 @@ from ._planning import (
 from .filesystem_async import _wrap_exception_for_gather
 
 logger = get_logger(__name__)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector disabled for the ``with`` body (re-enabled after it, unless
+    it was disabled already, by the user or an outer pause).
+
+    Decision: a finalize of a save of thousands of tensors builds the checkpoint's metadata
+    and every rank's write results: tens of thousands of objects that live a few
+    milliseconds. With the collector running, its young-generation passes meet them alive and
+    promote them, so the oldest generation grows every save, and every few saves Python runs
+    a full collection over every object of the trainer, in whatever code runs next (often
+    the next save's call). Paused, these objects die by reference counting before any pass
+    sees them; nothing they form is cyclic. The pause is process-wide (Python has no
+    per-thread collector), so it lasts the finalize's own duration only.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
 
 __all__ = [
     "CheckpointMetadataCache",
@@ -168,7 +194,7 @@ def save_state_dict_async_plan(
     ``overlap_staging=True``, on the staging thread, so this call returns at once. The
     planning is the same, the coordinator's ``global_metadata`` is filled in then, and
     planning errors are raised by ``schedule_async_request`` or ``wait_for_snapshot``
-    instead of here (see :mod:`._deferred`). Needs a writer that supports it
+    instead of here (see :mod:`._staging`). Needs a writer that supports it
     (``FileSystemWriterAsync``) and the default process group; otherwise the call plans.
     """
     use_dist = dist.is_available() and dist.is_initialized()

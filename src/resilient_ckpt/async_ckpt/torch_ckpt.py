@@ -21,9 +21,8 @@ import torch
 
 from ..config import Timeouts
 from ..errors import ConfigurationError
-from ..storage.base import is_msc_url
+from ..storage.base import get_backend, is_msc_url
 from ..storage.commit import write_atomically
-from ..storage.factory import get_backend
 from ..utils import iter_tensors, preload_tensors
 from ._staging import BatchedWhenPickled
 from .core import AsyncCallsQueue, AsyncRequest

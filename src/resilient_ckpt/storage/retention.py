@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from .._logging import get_logger
 from ..errors import ConfigurationError
+from .base import get_backend
 from .commit import RecordCommit, is_committed_listing
-from .factory import get_backend
 
 logger = get_logger(__name__)
 

@@ -50,7 +50,7 @@ import torch
 
 from ... import _dist
 from ..._logging import get_logger
-from ...async_ckpt._deferred import DeferredList, resolved
+from ...async_ckpt._staging import DeferredList, resolved
 from ...async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from ...config import default_timeouts
 from ...errors import (
@@ -320,7 +320,7 @@ class BaseCheckpointManager(ABC):
         """An async save whose preparation (the checks and the layout, agreed across
         ranks) runs where its request is staged: in overlapped staging on the staging
         thread, its agreement on the library's background group (see
-        :mod:`resilient_ckpt.async_ckpt._deferred`). Its sources fill in then."""
+        :mod:`resilient_ckpt.async_ckpt._staging`). Its sources fill in then."""
         _check_iteration(iteration)  # here too: the request's targets are named by it
         group = _dist.background_group() if _dist.is_distributed() else None
         self.latest_iteration = -1

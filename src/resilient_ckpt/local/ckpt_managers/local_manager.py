@@ -81,7 +81,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
             the shard out (agreed across ranks) when its request is staged, not in
             ``save``: with ``overlap_staging=True``, on the staging thread. Its errors are
             raised on every rank by ``schedule_async_request`` or ``wait_for_snapshot``
-            (see :mod:`resilient_ckpt.async_ckpt._deferred`). Default False.
+            (see :mod:`resilient_ckpt.async_ckpt._staging`). Default False.
     """
 
     def __init__(
