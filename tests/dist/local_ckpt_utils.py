@@ -145,8 +145,6 @@ def copy_path(root: str, holder: int, iteration: int, owner: int) -> str:
     return os.path.join(rank_dir(root, holder), file_name(iteration, owner))
 
 
-
-
 def save_two(rank: int, base: str, strat: object) -> dict[int, dict]:
     """Iterations 10 and 20 saved (kept both); the states saved, by iteration."""
     mgr = manager(base, strat, keep_latest=2)

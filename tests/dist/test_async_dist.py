@@ -34,8 +34,7 @@ def _completion_and_fifo(rank: int, world: int, tmpdir: str, persistent: bool) -
         queue.schedule_async_request(req)
         state["w"].add_(100)  # mutate right after scheduling
     idxs = queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
-    values = [float(torch.load(os.path.join(tmpdir, f"r{rank}_{i}.pt"))["w"][0])
-              for i in range(3)]
+    values = [float(torch.load(os.path.join(tmpdir, f"r{rank}_{i}.pt"))["w"][0]) for i in range(3)]
     group = _dist.library_group(FAST.collective)
     backend = dist.get_backend(group)
     queue.close()
@@ -55,8 +54,11 @@ def test_cross_rank_completion_fifo_and_snapshot(tmp_path, world, persistent) ->
 def _one_rank_fails(rank: int, world: int, tmpdir: str) -> dict:
     queue = AsyncCallsQueue(timeouts=FAST)
     ran: list[int] = []
-    req = AsyncRequest(_helpers.fail_on_rank, (1, rank, os.path.join(tmpdir, f"{rank}.pt"),
-                                               {"x": torch.ones(2)}), [])
+    req = AsyncRequest(
+        _helpers.fail_on_rank,
+        (1, rank, os.path.join(tmpdir, f"{rank}.pt"), {"x": torch.ones(2)}),
+        [],
+    )
     req.add_finalize_fn(functools.partial(ran.append, 1))
     queue.schedule_async_request(req)
     try:
@@ -66,8 +68,11 @@ def _one_rank_fails(rank: int, world: int, tmpdir: str) -> dict:
         cause = exc.__cause__
         while cause is not None and not isinstance(cause, RemoteTraceback):
             cause = cause.__cause__
-        outcome = {"raised": str(exc), "ranks": list(exc.failed_ranks),
-                   "tb": cause.tb if cause is not None else ""}
+        outcome = {
+            "raised": str(exc),
+            "ranks": list(exc.failed_ranks),
+            "tb": cause.tb if cause is not None else "",
+        }
     outcome["finalized"] = ran
     # the queue and the collectives stay in step after a failure
     queue.schedule_async_request(AsyncRequest(_helpers.return_none, (), []))
@@ -89,9 +94,11 @@ def _worker_killed_on_rank1(rank: int, world: int, tmpdir: str, blocking: bool) 
     queue = AsyncCallsQueue(timeouts=FAST)
     marker = os.path.join(tmpdir, f"pid{rank}")
     delay = 60 if rank == 1 else 0.1
-    queue.schedule_async_request(AsyncRequest(
-        _helpers.write_after_marker, (os.path.join(tmpdir, f"{rank}.pt"), {}, marker, delay),
-        []))
+    queue.schedule_async_request(
+        AsyncRequest(
+            _helpers.write_after_marker, (os.path.join(tmpdir, f"{rank}.pt"), {}, marker, delay), []
+        )
+    )
     if rank == 1:
         os.kill(int(_helpers.wait_for_file(marker)), signal.SIGKILL)
     started = time.monotonic()

@@ -65,8 +65,6 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-
-
 def test_ls_lists_every_kind(ckpts, capsys) -> None:
     code, out = _run(capsys, "--json", "ls", ckpts["root"], "--verify")
     assert code == 0

@@ -45,8 +45,6 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-
-
 @pytest.mark.timeout(180)
 def test_ls_inspect_verify_show_both_tiers(tiers, capsys) -> None:
     memory, durable = tiers

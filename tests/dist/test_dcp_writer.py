@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.distributed.device_mesh import init_device_mesh
-from resilient_ckpt._torch_compat import DTensor, Shard
 
+from resilient_ckpt._torch_compat import DTensor, Shard
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (

@@ -1,8 +1,9 @@
 """Deferred DCP planning across ranks (``save_state_dict_async_plan(..., defer_planning=True)``):
 from the second save on, the planning runs on the staging thread, not in the plan call
 (overlapped or not: the trainer waits for it when not); a structure change on one rank
-makes every rank re-plan there; every checkpoint holds every rank's values of its call; a planning failure on one
-rank is an error on every rank where the snapshot is waited for, and the next save works."""
+makes every rank re-plan there; every checkpoint holds every rank's values of its call; a
+planning failure on one rank is an error on every rank where the snapshot is waited for,
+and the next save works."""
 
 from __future__ import annotations
 

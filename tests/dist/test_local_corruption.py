@@ -29,17 +29,11 @@ from .local_ckpt_utils import (
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
 
 
-
-
-
-
 def _damage(rank: int, paths_by_rank: dict[int, list[str]], how=flip_byte) -> None:
     barrier()
     for path in paths_by_rank.get(rank, []):
         how(path)
     barrier()
-
-
 
 
 def _replicated(rank: int, root: str, log: LogCapture) -> None:

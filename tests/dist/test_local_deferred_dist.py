@@ -61,9 +61,11 @@ def _rounds(rank: int, world: int, root: str) -> list:
             latest = manager.find_latest()
             loaded, _ = manager.load()
             got = loaded.state_dict
-            exact = got["step"] == iteration and all(
-                torch.equal(got["w"][k], v) for k, v in expected.items()
-            ) and set(got["w"]) == set(expected)
+            exact = (
+                got["step"] == iteration
+                and all(torch.equal(got["w"][k], v) for k, v in expected.items())
+                and set(got["w"]) == set(expected)
+            )
             out.append((kind, overlap, in_call, list(prepared_on), latest, exact))
     finally:
         for queue in queues.values():

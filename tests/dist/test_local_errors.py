@@ -136,8 +136,12 @@ def _errors(rank: int, world_size: int, root: str, ro_root: str | None) -> bool:
 def _mount_read_only(path: str) -> bool:
     """A read-only tmpfs at ``path`` holding empty rank directories, if allowed here."""
     os.makedirs(path)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path], capture_output=True
+        ).returncode
+        != 0
+    ):
         return False
     for rank in range(4):
         os.makedirs(rank_dir(path, rank))
@@ -152,8 +156,9 @@ def test_clear_errors_on_every_rank(tmp_path):
     ro_root = str(tmp_path / "ro")
     mounted = _mount_read_only(ro_root)
     try:
-        results = launch(_errors, 4, str(tmp_path / "ckpt"), ro_root if mounted else None,
-                         timeout=150)
+        results = launch(
+            _errors, 4, str(tmp_path / "ckpt"), ro_root if mounted else None, timeout=150
+        )
     finally:
         if mounted:
             subprocess.run(["umount", ro_root], capture_output=True)

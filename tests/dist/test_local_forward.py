@@ -29,15 +29,9 @@ from .local_ckpt_utils import (
 pytestmark = [pytest.mark.dist, pytest.mark.fault, pytest.mark.timeout(240)]
 
 
-
-
-
-
 def _truncate(path: str) -> None:
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 3)
-
-
 
 
 def _lose_node(rank: int, base: str, lost: int, damage: dict[str, object]) -> None:

@@ -47,8 +47,9 @@ def _victims(repl: Repl, world_size: int, attempt: int) -> list[int]:
     return victims
 
 
-def _node_loss(rank: int, world_size: int, base: str, strat: object, repl: Repl, it: int,
-               expected: object) -> None:
+def _node_loss(
+    rank: int, world_size: int, base: str, strat: object, repl: Repl, it: int, expected: object
+) -> None:
     victims = _victims(repl, world_size, attempt=it)
     barrier()
     if rank in victims:

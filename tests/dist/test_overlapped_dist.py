@@ -104,7 +104,9 @@ def _one_rank_cannot_stage(rank: int, world: int, root: str) -> tuple[str, str]:
         if rank == 1:
             state["lock"] = threading.Lock()  # cannot be pickled: its staging fails
         path = os.path.join(root, f"r{rank}.pt")
-        queue.schedule_async_request(AsyncRequest(_save_pt, (path, state), []), overlap_staging=True)
+        queue.schedule_async_request(
+            AsyncRequest(_save_pt, (path, state), []), overlap_staging=True
+        )
         try:
             queue.maybe_finalize_async_calls(blocking=True)
         except Exception as exc:
@@ -113,7 +115,9 @@ def _one_rank_cannot_stage(rank: int, world: int, root: str) -> tuple[str, str]:
             failed = ("", "")
         # The queue goes on: the next save, staged fine everywhere, completes everywhere.
         state.pop("lock", None)
-        queue.schedule_async_request(AsyncRequest(_save_pt, (path, state), []), overlap_staging=True)
+        queue.schedule_async_request(
+            AsyncRequest(_save_pt, (path, state), []), overlap_staging=True
+        )
         queue.maybe_finalize_async_calls(blocking=True)
         return failed
     finally:
