@@ -4,8 +4,8 @@ Decision: a shard header is the pickle of the hollow state and the tensor record
 :mod:`._format`). A job saves the same structure again and again, and most of that pickle
 is then the same every time: the records, and every part of the state that holds tensors
 and nothing else (a model's ``state_dict()``; an optimizer's ``state``, one dict of tensors
-per parameter), which the hollow state holds as placeholders. Pickling those costs ~0.7 us
-per tensor, each save. So each travels as ``pickle.loads(payload)``, the payload made once:
+per parameter), which the hollow state holds as placeholders. Pickling those costs time per
+tensor, each save. So each travels as ``pickle.loads(payload)``, the payload made once:
 :class:`PickledOnce` for the records (a list), :class:`PickledValue` for each outermost
 *constant* container (non-empty, every value a placeholder or a constant container).
 Loading gets the same plain lists and dicts as before (a header is an ordinary pickle: no

@@ -8,9 +8,8 @@ Decision: the file is *mapped* (``mmap``, private copy-on-write) and checksummed
 mapping, and the loaded tensors are views of the mapping. The CRC pass faults the pages in
 while the kernel reads ahead (``MADV_SEQUENTIAL``), so the only passes over the bytes are
 the disk's and the checksum's: no copy out of the page cache and no zero-filling of a fresh
-buffer. Reading into a newly allocated buffer instead (``readinto``) costs both (measured
-here: a cold ``readinto`` of a fresh buffer took 2.4x a plain ``dd`` read of the same file,
-map + CRC about 1x). This is what ``torch.load(mmap=True)`` does, with the same terms:
+buffer. Reading into a newly allocated buffer instead (``readinto``) costs both. This is
+what ``torch.load(mmap=True)`` does, with the same terms:
 
 * Writes to the loaded tensors go to private copies of the touched pages (the file never
   changes). Copying the state into a model (``load_state_dict``) touches nothing.

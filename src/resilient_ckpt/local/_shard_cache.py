@@ -2,10 +2,10 @@
 
 Decision: :func:`._format.plan_shard` pops every tensor of the state (a placeholder object
 each), records where each tensor's bytes go, pickles the hollow state with those records
-as the shard header, and puts the tensors back: ~15 us per tensor, repeated identically
+as the shard header, and puts the tensors back: work per tensor, repeated identically
 while a job saves the same structure. For a :class:`BasicTensorAwareStateDict` (plain nested
-dicts, lists and tuples) this cache instead walks the state once (~1 us per entry, ~0.2 us
-in a dict of tensors of one type) and compares it with the state the cached layout was
+dicts, lists and tuples) this cache instead walks the state once (a C-level pass over a dict
+of tensors of one type) and compares it with the state the cached layout was
 planned from:
 
 * every container's type and keys (dicts, and ``OrderedDict`` such as a module's
@@ -28,8 +28,8 @@ hollow state is built beside the live one (new containers holding the placeholde
 tensors would have left, made once when the layout was cached) and pickled with the records.
 The records, and every part of the state that holds only tensors (a model's state_dict, an
 optimizer's per-parameter state), travel as their cached pickle (:mod:`._pickled`), as they
-do in a full planning: the bytes are exactly those of a full planning, at ~0.1 us per
-tensor of such a part (~1 us elsewhere) instead of ~15. The layout is cached only
+do in a full planning: the bytes are exactly those of a full planning, without the per-tensor
+work of one. The layout is cached only
 if the walk met exactly the tensors ``pop_tensors`` popped, in order (checked object by
 object), and only for states whose tensors are on their home devices.
 """

@@ -3,7 +3,7 @@
 Decision: when a rank lost its local copy (its node was replaced), ``find_latest`` has a peer
 verify the replica of that shard in its first round, and ``load`` then sent the verified
 bytes to the owner: a disk read, then a network transfer of the same bytes, one after the
-other (measured here, 128 MiB over gloo: the transfer added 0.6x a whole normal load). Both
+other. Both
 ends know before any byte is read who will verify which replica (the first round is decided
 from the catalogue that every rank has), so the holder can send each chunk of the file as
 soon as it has read and checksummed it, and the owner receives it meanwhile. The transfer
