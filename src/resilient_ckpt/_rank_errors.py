@@ -118,17 +118,6 @@ def remote_failure(message: str, tb: str = "") -> Any:
     return (exc, traceback.StackSummary())
 
 
-def _wrap_exception(exc: BaseException) -> Any:
-    """torch's failure pair (``CheckpointException.failures`` values): the exception and the
-    summary of its traceback, frames without their code objects (Python 3.13+ keeps one
-    per frame, and it does not pickle), as torch's own private helper makes it."""
-    summary = traceback.extract_tb(exc.__traceback__)
-    for frame in summary:
-        if getattr(frame, "_code", None) is not None:
-            object.__setattr__(frame, "_code", None)
-    return exc, summary
-
-
 def is_wrapped_failure(obj: Any) -> bool:
     """Whether ``obj`` is a failure pair as :func:`wrap_for_gather` makes it (what NVRx-style
     writers may return from ``retrieve_write_results`` instead of raising)."""
@@ -141,7 +130,7 @@ def is_wrapped_failure(obj: Any) -> bool:
 
 
 def wrap_for_gather(exc: BaseException, wrap: Callable[[BaseException], Any] | None = None) -> Any:
-    """``(exception, stack summary)`` as ``wrap`` makes it (torch's ``_wrap_exception`` by
+    """``(exception, stack summary)`` as ``wrap`` makes it (:func:`local_failure` by
     default), made safe to pickle, because ``gather_object`` pickles it on the failing
     rank: a pickling error there would leave the other ranks waiting in the gather instead
     of reporting the failure (NVRx's ``filesystem_async._wrap_exception_for_gather``, which
@@ -152,10 +141,8 @@ def wrap_for_gather(exc: BaseException, wrap: Callable[[BaseException], Any] | N
     a :class:`~resilient_ckpt.errors.RemoteExceptionError` carrying its type, message and
     traceback text.
     """
-    wrapped, stack = (wrap or _wrap_exception)(exc)
-    for frame in stack:
-        if getattr(frame, "_code", None) is not None:
-            object.__setattr__(frame, "_code", None)
+    wrapped, stack = (wrap or local_failure)(exc)
+    _drop_code_objects(stack)
     try:
         pickle.dumps(stack)
     except Exception:
@@ -175,8 +162,18 @@ def wrap_for_gather(exc: BaseException, wrap: Callable[[BaseException], Any] | N
 
 
 def local_failure(exc: BaseException) -> Any:
-    """torch's ``(exception, StackSummary)`` pair for this rank's own exception."""
-    return _wrap_exception(exc)
+    """torch's ``(exception, StackSummary)`` pair for this rank's own exception, as torch's
+    own private helper makes it, its frames without their code objects."""
+    return exc, _drop_code_objects(traceback.extract_tb(exc.__traceback__))
+
+
+def _drop_code_objects(stack: traceback.StackSummary) -> traceback.StackSummary:
+    """``stack`` with its frames' code objects removed, in place (Python 3.13+ keeps one
+    per frame, and a code object does not pickle)."""
+    for frame in stack:
+        if getattr(frame, "_code", None) is not None:
+            object.__setattr__(frame, "_code", None)
+    return stack
 
 
 class RankConfigurationError(RankFailureError, ConfigurationError):

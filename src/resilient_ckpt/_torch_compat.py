@@ -35,6 +35,11 @@ Private names held here ("tested with 2.13": the release CI runs; the package su
     read back by the archive reader of ``async_ckpt.cached_metadata_filesystem_reader``.
     Tested with 2.13.
     Fallback: the same table written out (torch froze it: new dtypes are saved another way).
+``torch._utils._rebuild_tensor_v2`` (:data:`REBUILD_TENSOR`)
+    The function a ``torch.save`` pickle calls to rebuild a tensor from its storage, which
+    the archive reader of ``async_ckpt.cached_metadata_filesystem_reader`` recognises by
+    name. Tested with 2.13. Fallback: a pickle naming anything else is not read by that
+    reader; torch's own ``FileSystemReader`` path reads the item instead.
 ``torch.distributed._shard.sharded_tensor.ShardedTensor`` (:func:`is_sharded_tensor`)
     Recognises a (deprecated) ``ShardedTensor`` value in a state dict; no public path
     exports the class. Tested with 2.13. Fallback: nothing is one (a torch without the
@@ -54,9 +59,10 @@ Private names held here ("tested with 2.13": the release CI runs; the package su
     Where torch 2.4 keeps the DTensor classes; the public ``torch.distributed.tensor`` path
     is used from 2.5 on (tested with 2.13, which takes the public path).
 
-Names here are imported on first use: this module is imported by the background worker,
-which must not pay for importing ``torch.distributed.checkpoint`` or DTensor unless it
-uses them.
+Each private name is looked up once, by a ``functools.cache``d loader (the tests call its
+``__wrapped__`` to look again). Names here are imported on first use: this module is
+imported by the background worker, which must not pay for importing
+``torch.distributed.checkpoint`` or DTensor unless it uses them.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DTensor",
     "Replicate",
+    "REBUILD_TENSOR",
     "Shard",
     "cuda_devices_with_context",
     "distribute_tensor",
@@ -142,10 +149,6 @@ def write_item(
 
 @functools.cache
 def _write_item() -> Callable[..., WriteResult]:
-    return _load_write_item()
-
-
-def _load_write_item() -> Callable[..., WriteResult]:
     try:
         from torch.distributed.checkpoint.filesystem import _write_item as private
     except ImportError:
@@ -224,10 +227,6 @@ def storage_info(
 
 @functools.cache
 def _storage_info_class() -> type:
-    return _load_storage_info_class()
-
-
-def _load_storage_info_class() -> type:
     try:
         from torch.distributed.checkpoint.filesystem import _StorageInfo as private
     except ImportError:
@@ -259,10 +258,6 @@ def prefix_of(storage_data: Any) -> str | None:
 
 @functools.cache
 def _storage_prefix_class() -> type[Any]:
-    return _load_storage_prefix_class()
-
-
-def _load_storage_prefix_class() -> type[Any]:
     try:
         from torch.distributed.checkpoint.filesystem import _StoragePrefix as private
     except ImportError:
@@ -279,13 +274,13 @@ def storage_type_dtypes() -> dict[str, torch.dtype]:
 
 @functools.cache
 def _storage_type_dtypes() -> dict[str, torch.dtype]:
-    return _load_storage_type_dtypes()
-
-
-def _load_storage_type_dtypes() -> dict[str, torch.dtype]:
     table = getattr(torch.storage, "_dtype_to_storage_type_map", None)
     pairs = table().items() if table is not None else _LEGACY_STORAGE_NAMES.items()
     return {name: dtype for dtype, name in pairs}
+
+
+# What a torch.save pickle calls to rebuild each tensor (module, name).
+REBUILD_TENSOR = ("torch._utils", "_rebuild_tensor_v2")
 
 
 # torch's table, frozen by torch (dtypes added later are saved as untyped storage + dtype).
@@ -321,10 +316,6 @@ def is_sharded_tensor(obj: Any) -> bool:
 
 @functools.cache
 def _sharded_tensor_class() -> type | None:
-    return _load_sharded_tensor_class()
-
-
-def _load_sharded_tensor_class() -> type | None:
     try:
         from torch.distributed._shard.sharded_tensor import ShardedTensor
     except ImportError:

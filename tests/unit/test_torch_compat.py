@@ -58,17 +58,17 @@ def _write_all(write, transforms) -> tuple[bytes, list]:
 
 def test_write_item_fallback_writes_the_same_bytes_and_results(monkeypatch) -> None:
     transforms = getattr(dcp.FileSystemWriter("unused-path"), "transforms", None)
-    private = _write_all(_torch_compat._load_write_item(), transforms)
+    private = _write_all(_torch_compat._write_item.__wrapped__(), transforms)
     assert private == _write_all(_torch_compat._write_item_public, transforms)
 
     monkeypatch.delattr(torch_fs, "_write_item")
-    assert _torch_compat._load_write_item() is _torch_compat._write_item_public
+    assert _torch_compat._write_item.__wrapped__() is _torch_compat._write_item_public
 
 
 def test_storage_info_fallback_has_torch_fields_and_pickled_state(monkeypatch) -> None:
     private = _torch_compat.storage_info("__0_0.distcp", 6, 42)
     monkeypatch.delattr(torch_fs, "_StorageInfo")
-    fallback_cls = _torch_compat._load_storage_info_class()
+    fallback_cls = _torch_compat._storage_info_class.__wrapped__()
     assert fallback_cls is _torch_compat._StorageInfo
     fallback = fallback_cls("__0_0.distcp", 6, 42)
     for field in ("relative_path", "offset", "length", "transform_descriptors"):
@@ -109,7 +109,7 @@ def test_storage_prefix_fallback_names_the_same_prefix(monkeypatch) -> None:
     assert _torch_compat.prefix_of(None) is None
 
     monkeypatch.delattr(torch_fs, "_StoragePrefix")
-    fallback_cls = _torch_compat._load_storage_prefix_class()
+    fallback_cls = _torch_compat._storage_prefix_class.__wrapped__()
     assert fallback_cls is _torch_compat._StoragePrefix
     monkeypatch.setattr(_torch_compat, "_storage_prefix_class", lambda: fallback_cls)
     # torch's own prepare_global_plan would make torch's (renamed) class: its prefix counts.
@@ -119,10 +119,10 @@ def test_storage_prefix_fallback_names_the_same_prefix(monkeypatch) -> None:
 
 
 def test_storage_type_dtypes_fallback_is_torch_table(monkeypatch) -> None:
-    private = _torch_compat._load_storage_type_dtypes()
+    private = _torch_compat._storage_type_dtypes.__wrapped__()
     assert private == {n: d for d, n in torch.storage._dtype_to_storage_type_map().items()}
     monkeypatch.delattr(torch.storage, "_dtype_to_storage_type_map")
-    assert _torch_compat._load_storage_type_dtypes() == private
+    assert _torch_compat._storage_type_dtypes.__wrapped__() == private
 
 
 # -- state dict values ------------------------------------------------------------------------
@@ -131,11 +131,11 @@ def test_storage_type_dtypes_fallback_is_torch_table(monkeypatch) -> None:
 def test_sharded_tensor_fallback_sees_none(monkeypatch) -> None:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    assert _torch_compat._load_sharded_tensor_class() is ShardedTensor
+    assert _torch_compat._sharded_tensor_class.__wrapped__() is ShardedTensor
     values = [torch.zeros(2), {"a": 1}, None, torch.nn.Parameter(torch.ones(1))]
     private = [_torch_compat.is_sharded_tensor(v) for v in values]
     monkeypatch.setitem(sys.modules, "torch.distributed._shard.sharded_tensor", None)
-    assert _torch_compat._load_sharded_tensor_class() is None
+    assert _torch_compat._sharded_tensor_class.__wrapped__() is None
     monkeypatch.setattr(_torch_compat, "_sharded_tensor_class", lambda: None)
     assert [_torch_compat.is_sharded_tensor(v) for v in values] == private == [False] * 4
 
@@ -183,7 +183,7 @@ def test_failure_pairs_match_torch() -> None:
     from torch.distributed.checkpoint.api import _is_wrapped_exception, _wrap_exception
 
     exc = _failed()
-    ours, theirs = _rank_errors._wrap_exception(exc), _wrap_exception(exc)
+    ours, theirs = _rank_errors.local_failure(exc), _wrap_exception(exc)
     assert ours[0] is theirs[0]
     assert [(f.filename, f.lineno, f.name) for f in ours[1]] == [
         (f.filename, f.lineno, f.name) for f in theirs[1]

@@ -97,10 +97,16 @@ def layouts(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
     )
 
 
-def _same_layouts(expected: tuple[list, ...], tensors: Sequence[torch.Tensor]) -> bool:
+def unchanged(
+    read: Callable[[Sequence[torch.Tensor]], tuple[list, ...]],
+    expected: tuple[list, ...],
+    tensors: Sequence[torch.Tensor],
+) -> bool:
+    """Whether ``read(tensors)`` (:func:`layouts` or :func:`tensor_meta`) equals
+    ``expected``; False for tensors it cannot read (e.g. sparse: no strides)."""
     try:
-        return layouts(tensors) == expected
-    except Exception:  # e.g. a sparse tensor (no strides): not the layout cached
+        return read(tensors) == expected
+    except Exception:
         return False
 
 
@@ -217,7 +223,7 @@ class StageCache:
         guess = _Guess(self._reduced, self._counts)
         try:
             payload = dump(obj, guess)
-            if guess.calls != len(self._reduced) or not _same_layouts(layout, guess.tensors):
+            if guess.calls != len(self._reduced) or not unchanged(layouts, layout, guess.tensors):
                 return None
         except Exception:  # _Miss, or anything the full path will report properly
             return None

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .._torch_compat import has_stream_transforms, storage_type_dtypes
+from .._torch_compat import REBUILD_TENSOR, has_stream_transforms, storage_type_dtypes
 from ..errors import CorruptCheckpointError
 from ..storage.base import get_backend, is_msc_url
 from ..storage.commit import COMMIT_RECORD
@@ -287,7 +287,7 @@ class _TensorUnpickler(pickle.Unpickler):
         self._rebuild = functools.partial(_rebuild, records)
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+        if (module, name) == REBUILD_TENSOR:
             return self._rebuild
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
@@ -314,7 +314,8 @@ def _rebuild(
     hooks: Any = None,
     metadata: Any = None,
 ) -> _Record:
-    """``torch._utils._rebuild_tensor_v2``'s arguments -> where the tensor lies."""
+    """The rebuild function's arguments (see :data:`~.._torch_compat.REBUILD_TENSOR`) ->
+    where the tensor lies."""
     if not isinstance(storage, _StorageRef) or hooks or metadata:
         raise _Unsupported("a tensor with hooks or metadata")
     record = _Record(records(storage), storage.dtype)

@@ -88,10 +88,9 @@ def _run_flow(name: str, flow: Callable[[Flows], dict[str, float]], flows: Flows
 def _clear_aftermath(device: str) -> None:
     """After a torch reference flow, outside every timing: collect its cyclic garbage (a
     save's stager, its staged copies, on torch 2.11 a fresh pinned stager per save) and
-    let its device work finish, so that neither lands in whichever flow runs next. Left to
-    the collector, it did: at 64M/2000 on 2 CPU ranks the DCP flow that follows read 2.25x
-    memcpy with torch's flows in the run and 1.81x without them, its finalize's longest
-    268 ms against 58. Our own flows' garbage is left to the collector, as in training."""
+    let its device work finish, so that neither lands in whichever flow runs next (left to
+    the collector, it did: a full collection landed in the next flow's stall and finalize).
+    Our own flows' garbage is left to the collector, as in training."""
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()

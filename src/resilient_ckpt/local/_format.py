@@ -36,7 +36,7 @@ from typing import IO, Any
 import torch
 
 from .._checksum import CrcPipe, crc32
-from ..async_ckpt._stage_cache import tensor_meta
+from ..async_ckpt._stage_cache import tensor_meta, unchanged
 from ..async_ckpt._staging import TensorBatch
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
@@ -128,12 +128,7 @@ class RecordMemo:
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         """Whether ``tensors`` have the meta of the tensors last recorded."""
-        if self.check is None:
-            return False
-        try:
-            return tensor_meta(tensors) == self.check
-        except Exception:  # e.g. a sparse tensor (no strides): not the tensors recorded
-            return False
+        return self.check is not None and unchanged(tensor_meta, self.check, tensors)
 
     def holds(self, tensors: list[torch.Tensor], flags: list[bool]) -> bool:
         """Whether the memo's records are those of ``tensors`` (with their ``_is_param``)."""
