@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
+import random
 import zlib
+from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
 
 from resilient_ckpt.errors import ConfigurationError, CorruptCheckpointError
-from resilient_ckpt.local import BasicTensorAwareStateDict
+from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from resilient_ckpt.local._format import (
     ShardBuffer,
+    ShardLayout,
+    align,
     deserialize,
+    header_of,
     plan_shard,
     read_verified,
     serialize,
@@ -111,3 +118,144 @@ def test_a_shard_with_a_known_checksum_is_written_with_that_checksum():
     assert f.getvalue() == bytes(buffer.numpy())
     g = io.BytesIO()
     assert stream_to(g, ShardBuffer(buffer)) == (buffer.numel(), zlib.crc32(f.getvalue()))
+
+
+def _save_and_load(root: str, state: dict, iteration: int = 1) -> dict:
+    """``state`` saved as ``iteration`` by a local manager, and loaded back by another."""
+    LocalCheckpointManager(root, "s").save(BasicTensorAwareStateDict(state), iteration)
+    loader = LocalCheckpointManager(root, "s")
+    assert loader.find_latest() == iteration
+    return loader.load()[0].state_dict  # type: ignore[attr-defined,no-any-return]
+
+
+class _Holder:
+    """A custom object in the state, referring to a dict of tensors the state holds too."""
+
+    def __init__(self, ref: dict) -> None:
+        self.ref = ref
+
+
+def _training_state() -> dict:
+    """A model's state_dict (an OrderedDict with ``_metadata``) and an Adam state after a
+    step (a dict of tensors per parameter; tuples and plain values in its param groups)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.rand(2, 3)).sum().backward()
+    optim.step()
+    return {"model": model.state_dict(), "optim": optim.state_dict(), "step": 1}
+
+
+def test_a_training_state_loads_back_with_its_types_attributes_and_sharing(tmp_path):
+    state = _training_state()
+    config = {"name": "run", "sizes": [1, 2]}
+    inner = {"w": torch.rand(2)}
+    weights = {"w": torch.rand(3), "b": torch.rand(2)}
+    state.update(
+        config=config,
+        config_again=config,  # one dict, twice
+        block={"inner": inner, "b": torch.rand(1)},
+        alias=inner,  # a dict of tensors also held inside another one
+        weights=weights,
+        holder=_Holder(weights),  # an object holding a dict of tensors the state holds
+        tied=state["model"]["0.weight"],  # one tensor, twice
+    )
+    loaded = _save_and_load(str(tmp_path), state)
+    holder = loaded.pop("holder")  # compared below: diff compares other objects by ==
+    assert diff({k: v for k, v in state.items() if k != "holder"}, loaded) == ([], [], [])
+    assert type(loaded["model"]) is OrderedDict
+    assert loaded["model"]._metadata == state["model"]._metadata
+    assert loaded["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert type(loaded["optim"]["param_groups"][0]["betas"]) is tuple
+    assert loaded["config_again"] is loaded["config"]
+    assert loaded["alias"] is loaded["block"]["inner"]
+    assert holder.ref is loaded["weights"]
+    assert torch.equal(holder.ref["w"], weights["w"])
+
+
+def _random_state(rng: random.Random, depth: int = 0) -> Any:
+    """A random nest of dicts, OrderedDicts, lists and tuples over tensors and plain values
+    (some parts only tensors, some mixed, some empty)."""
+    kind = rng.choice(["dict", "odict", "list", "tuple", "tensors"] if depth < 3 else ["leaf"])
+    if kind == "leaf":
+        return rng.choice([torch.rand(rng.randint(0, 3)), 1, 2.5, -0.0, "s", None, b"b", True])
+    if kind == "tensors":
+        return {f"t{i}": torch.rand(2) for i in range(rng.randint(1, 4))}
+    items = [_random_state(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "list":
+        return items
+    if kind == "tuple":
+        return tuple(items)
+    out: Any = dict if kind == "dict" else OrderedDict
+    return out((f"k{i}", item) for i, item in enumerate(items))
+
+
+def _skeleton(obj: Any) -> Any:
+    """``obj``'s containers with their types, and every plain leaf with its type and exact
+    value (``repr``: -0.0 is not 0.0); tensors are compared by ``diff``."""
+    if isinstance(obj, dict):
+        return type(obj), [(k, _skeleton(v)) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return type(obj), [_skeleton(v) for v in obj]
+    return "tensor" if isinstance(obj, torch.Tensor) else (type(obj), repr(obj))
+
+
+def test_random_states_load_back_as_saved(tmp_path):
+    """Random structures, saved again with a changed plain value and a config dict shared by
+    identity from the second save on: each load is the state of its save."""
+    rng = random.Random(13)
+    for n in range(20):
+        config = {"lr": 0.1, "tags": ["a"]}
+        state = {"body": _random_state(rng), "config": config, "again": dict(config), "it": 1}
+        root = str(tmp_path / str(n))
+        for iteration in (1, 2):
+            loaded = _save_and_load(root, state, iteration)
+            assert diff(state, loaded) == ([], [], [])
+            assert _skeleton(loaded) == _skeleton(state)
+            assert (loaded["again"] is loaded["config"]) == (iteration == 2)
+            state.update(it=iteration + 1, again=config)
+
+
+class _PickledOnce:
+    """How versions before issue 33 wrote parts of a shard header: pickled once, then
+    spliced into every header as ``pickle.loads(payload)``."""
+
+    def __init__(self, obj: Any) -> None:
+        self.payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return pickle.loads, (self.payload,)
+
+
+def _spliced_layout(state: dict) -> ShardLayout:
+    """The shard of ``state`` with the header those versions wrote (byte for byte, checked
+    against their ``plan_shard`` when they were removed): the records, the model's
+    state_dict and the optimizer's per-parameter state each spliced in pickled."""
+    layout = plan_shard(BasicTensorAwareStateDict(state))
+    hollow = BasicTensorAwareStateDict(state)
+    tensors = hollow.pop_tensors()
+    tree = hollow.state_dict
+    optim = dict(tree["optim"], state=_PickledOnce(tree["optim"]["state"]))
+    hollow.state_dict = dict(tree, model=_PickledOnce(tree["model"]), optim=optim)
+    body = pickle.dumps((hollow, _PickledOnce(list(layout.records))), pickle.HIGHEST_PROTOCOL)
+    hollow.state_dict = tree
+    hollow.insert_tensors(tensors)  # back into the state's dicts, popped in place
+    header = header_of(body)
+    start = align(len(header))
+    data_bytes = layout.size - layout.data_start
+    return ShardLayout(header, tensors, layout.records, start, start + data_bytes)
+
+
+def test_a_header_with_spliced_parts_still_loads():
+    state = _training_state()
+    state.update(config={"name": "run"}, tied=state["model"]["0.weight"])
+    state["config_again"] = state["config"]
+    old = _spliced_layout(state)
+    assert b"loads" in old.header  # the splices' pickle.loads calls
+    loaded = deserialize(serialize(old)).state_dict  # type: ignore[attr-defined]
+    assert diff(state, loaded) == ([], [], [])
+    assert type(loaded["model"]) is OrderedDict
+    assert loaded["model"]._metadata == state["model"]._metadata
+    assert loaded["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert loaded["config_again"] is loaded["config"]
+    assert isinstance(loaded["optim"]["state"][0]["exp_avg"], torch.Tensor)

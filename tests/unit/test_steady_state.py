@@ -24,6 +24,7 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
     save_state_dict_async_plan,
 )
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+from resilient_ckpt.local import TensorAwareStateDict
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -402,73 +403,168 @@ def test_dcp_steady_state_skips_planning_and_replans_every_change(tmp_path, set_
         queue.close()
 
 
-# (what changes, the change, layout reused, header made again for new plain values)
+def _share_config(s: dict) -> None:
+    s["config_again"] = s["config"]  # one dict, twice
+
+
+def _unshare_config(s: dict) -> None:
+    s["config_again"] = dict(s["config"])
+
+
+# (what changes, the change), applied one after the other, each followed by a save
 LOCAL_CHANGES = [
-    ("values only", lambda s: s["w0"].add_(1), True, False),
-    ("non-tensor value", lambda s: s.__setitem__("step", 2), True, True),
-    ("values only again", lambda s: s["w0"].add_(1), True, False),
-    ("float value to its negative zero", lambda s: s.__setitem__("lr", -0.0), True, True),
-    ("tensor replaced by a new object of the same shape", _replace_same_shape, True, False),
-    ("nested list value", lambda s: s["nested"]["l"].__setitem__(1, 9), True, True),
-    (
-        "a value and a tensor's shape",
-        lambda s: s.update(step=3, w6=torch.randn(3, 3)),
-        False,
-        False,
-    ),
-    ("dtype changed", lambda s: s.__setitem__("w7", s["w7"].double()), False, False),
-    (
-        "tensor added in a tuple",
-        lambda s: s["nested"].__setitem__("t", (torch.ones(2),)),
-        False,
-        False,
-    ),
-    ("an object of another type", lambda s: s.__setitem__("obj", {3, 4}), False, False),
-    ("still that object", lambda s: s["w0"].add_(1), False, False),
-    ("values only after changes", lambda s: s.pop("obj") and s["w0"].add_(1), False, False),
-    ("values only, steady again", lambda s: s["w0"].add_(1), True, False),
-    ("a value beside a tuple's tensor", lambda s: s.__setitem__("step", 4), True, True),
-    ("requires_grad turned off", lambda s: s["param"].requires_grad_(False), False, False),
-    ("values only, steady after requires_grad", lambda s: s["w0"].add_(1), True, False),
-    ("only a stride changed", lambda s: s.__setitem__("w8", torch.randn(36)[::2]), False, False),
-    ("the same tensor twice", lambda s: s.__setitem__("again", s["w0"]), False, False),
-    ("a value, the same tensor twice", lambda s: s.__setitem__("step", 5), True, True),
+    ("values only", lambda s: s["w0"].add_(1)),
+    ("non-tensor value", lambda s: s.__setitem__("step", 2)),
+    ("values only again", lambda s: s["w0"].add_(1)),
+    ("float value to its negative zero", lambda s: s.__setitem__("lr", -0.0)),
+    ("tensor replaced by a new object of the same shape", _replace_same_shape),
+    ("nested list value", lambda s: s["nested"]["l"].__setitem__(1, 9)),
+    ("a value and a tensor's shape", lambda s: s.update(step=3, w6=torch.randn(3, 3))),
+    ("dtype changed", lambda s: s.__setitem__("w7", s["w7"].double())),
+    ("tensor added in a tuple", lambda s: s["nested"].__setitem__("t", (torch.ones(2),))),
+    ("an object of another type", lambda s: s.__setitem__("obj", {3, 4})),
+    ("still that object", lambda s: s["w0"].add_(1)),
+    ("values only after changes", lambda s: s.pop("obj") and s["w0"].add_(1)),
+    ("a value beside a tuple's tensor", lambda s: s.__setitem__("step", 4)),
+    ("requires_grad turned off", lambda s: s["param"].requires_grad_(False)),
+    ("only a stride changed", lambda s: s.__setitem__("w8", torch.randn(36)[::2])),
+    ("the same tensor twice", lambda s: s.__setitem__("again", s["w0"])),
+    ("a value, the same tensor twice", lambda s: s.__setitem__("step", 5)),
+    ("an int became a float", lambda s: s.__setitem__("step", 5.0)),
+    ("a config dict now held twice", _share_config),
+    ("the shared config changed through one reference", lambda s: s["config"].update(n=2)),
+    ("the config held as two dicts again", _unshare_config),
+    ("module state_dict attributes", lambda s: s["model"]._metadata[""].update(version=2)),
+    ("a part of tensors gains a plain value", lambda s: s["opt"][0].update(note="warm")),
 ]
 
 
+def _skeleton(obj):
+    """``obj``'s containers with their types, and every plain leaf with its type and exact
+    value (``repr``: -0.0 is not 0.0); tensors are compared by ``diff``."""
+    if isinstance(obj, dict):
+        return type(obj), [(k, _skeleton(v)) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return type(obj), [_skeleton(v) for v in obj]
+    return "tensor" if torch.is_tensor(obj) else (type(obj), repr(obj))
+
+
 @pytest.mark.timeout(120)
-def test_local_flow_reuses_the_shard_layout_and_saves_every_change(tmp_path) -> None:
+def test_local_flow_saves_every_change(tmp_path) -> None:
+    """Saved again after each change of ``LOCAL_CHANGES`` (of values, structure, types or
+    sharing), a local checkpoint holds exactly the state of its call."""
     from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager
     from resilient_ckpt.utils import diff
 
     state = {k: v for k, v in _state().items() if k != "view"}
     state["lr"] = 0.0
     state["nested"] = {"l": [1, 2], "t": (3, "x")}
+    state["config"] = {"name": "run"}
+    state["config_again"] = {"name": "run"}
+    state["model"] = torch.nn.Linear(3, 2).state_dict()  # an OrderedDict with _metadata
+    state["opt"] = {0: {"m": torch.rand(3), "v": torch.rand(3)}}
     manager = LocalCheckpointManager(str(tmp_path), "s", keep_latest=1)
     queue = AsyncCallsQueue()
     try:
         manager.save(BasicTensorAwareStateDict(state), 1, is_async=False)
-        cache = manager._shard_cache
-        for n, (what, change, steady, refreshed) in enumerate(LOCAL_CHANGES, start=2):
+        for n, (what, change) in enumerate(LOCAL_CHANGES, start=2):
             change(state)
             expected = _clone_nested(state)
             expected["nested"]["t"] = tuple(_clone_nested(list(state["nested"]["t"])))
-            hits, refreshes = cache.hits, cache.refreshes
             request = manager.save(BasicTensorAwareStateDict(state), n, is_async=True)
             queue.schedule_async_request(request)
             _shift_tensors(state, 100)
             queue.maybe_finalize_async_calls(blocking=True)
             _shift_tensors(state, -100)
-            assert (cache.hits == hits + 1) == steady, what
-            assert (cache.refreshes == refreshes + 1) == refreshed, what
             loaded = LocalCheckpointManager(str(tmp_path), "s")
             assert loaded.find_latest() == n
             got = loaded.load()[0].state_dict
             assert diff(expected, got) == ([], [], []), what
-            if what.startswith("float"):
-                assert str(got["lr"]) == "-0.0"
+            assert _skeleton(got) == _skeleton(state), what
+            shared = state["config_again"] is state["config"]
+            assert (got["config_again"] is got["config"]) == shared, what
+            assert got["model"]._metadata == state["model"]._metadata, what
     finally:
         queue.close()
+
+
+class _ListState(TensorAwareStateDict):
+    """A custom state, as Megatron's: tensors in a list, an iteration beside them."""
+
+    def __init__(self, tensors: list[torch.Tensor], iteration: int) -> None:
+        self._tensors: list[torch.Tensor] | None = tensors
+        self.iteration = iteration
+
+    def pop_tensors(self) -> list[torch.Tensor]:
+        tensors, self._tensors = self._tensors, None
+        return tensors or []
+
+    def insert_tensors(self, tensor_data) -> None:
+        self._tensors = list(tensor_data)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._tensors or [])
+
+    @property
+    def is_hollow(self) -> bool:
+        return self._tensors is None
+
+    def init_tensors(self) -> None:
+        raise NotImplementedError
+
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        pass
+
+    def restore_tensor_device(self, non_blocking: bool = False) -> None:
+        pass
+
+
+def _flagged(t: torch.Tensor) -> torch.Tensor:
+    t._is_param = True  # type: ignore[attr-defined]
+    return t
+
+
+# (what changes, the change to the custom state's tensors), one after the other
+CUSTOM_CHANGES = [
+    ("values only", lambda ts: ts[0].add_(1)),
+    ("values of new objects", lambda ts: ts.__setitem__(1, ts[1] + 1)),
+    ("shape", lambda ts: ts.__setitem__(0, torch.rand(5))),
+    ("dtype", lambda ts: ts.__setitem__(1, ts[1].double())),
+    ("requires_grad", lambda ts: ts[2].requires_grad_()),
+    ("parameter", lambda ts: ts.__setitem__(3, torch.nn.Parameter(ts[3].detach()))),
+    ("_is_param flag", lambda ts: ts.__setitem__(4, _flagged(ts[4].detach().clone()))),
+    ("one more", lambda ts: ts.append(torch.rand(2, 2))),
+    ("one less", lambda ts: ts.pop()),
+]
+
+
+def test_local_flow_saves_every_change_of_a_custom_state(tmp_path) -> None:
+    """A custom ``TensorAwareStateDict`` (planned by its own ``pop_tensors``), saved after
+    each change of ``CUSTOM_CHANGES``, loads with exactly the tensors of that save: values,
+    dtypes, shapes, ``requires_grad`` and parameter or not."""
+    from resilient_ckpt.errors import ConfigurationError
+    from resilient_ckpt.local import LocalCheckpointManager
+
+    tensors = [torch.rand(4) for _ in range(6)]
+    manager = LocalCheckpointManager(str(tmp_path), "s")
+    manager.save(_ListState(tensors, 1), 1)
+    for n, (what, change) in enumerate(CUSTOM_CHANGES, start=2):
+        change(tensors)
+        manager.save(_ListState(tensors, n), n)
+        loader = LocalCheckpointManager(str(tmp_path), "s")
+        assert loader.find_latest() == n
+        got = loader.load()[0]
+        assert isinstance(got, _ListState) and got.iteration == n, what
+        assert len(got.tensors) == len(tensors), what
+        for saved, loaded in zip(tensors, got.tensors, strict=True):
+            assert loaded.dtype == saved.dtype and torch.equal(loaded, saved), what
+            assert loaded.requires_grad == saved.requires_grad, what
+            param = isinstance(saved, torch.nn.Parameter)
+            assert type(loaded) is (torch.nn.Parameter if param else torch.Tensor), what
+    tensors[1] = torch.eye(3).to_sparse()
+    with pytest.raises(ConfigurationError, match="tensor #1"):
+        manager.save(_ListState(tensors, len(CUSTOM_CHANGES) + 2), len(CUSTOM_CHANGES) + 2)
 
 
 @pytest.mark.timeout(120)
@@ -557,38 +653,6 @@ def test_walk_of_uniform_mappings_equals_the_entry_by_entry_walk(monkeypatch) ->
     states[0]["model"]["l3"].requires_grad_(True)
     changed = _planning.walk(states[0])
     assert changed is not None and fast[0] is not None and changed[2] != fast[0][2]
-
-
-def test_local_walk_of_a_dict_of_tensors_makes_the_loop_tokens() -> None:
-    """The local shard cache's C-level walk of a dict of tensors of one type gives the same
-    tokens and tensors as its entry-by-entry walk (here: of the same tensors in a list); a
-    tensor's token is its type, the rest of its layout is checked over all tensors at once
-    (the record memo's ``tensor_meta``), which a changed requires_grad, dtype or stride
-    fails."""
-    from resilient_ckpt.local import _shard_cache
-    from resilient_ckpt.local._format import RecordMemo
-
-    tensors = [torch.rand(3), torch.rand(2, 2).t(), torch.rand(1, requires_grad=True)]
-    by_dict = _shard_cache.walk({f"t{i}": t for i, t in enumerate(tensors)})
-    by_list = _shard_cache.walk(tensors)
-    assert by_dict is not None and by_list is not None
-    assert by_dict[0][1:] == by_list[0][1:] == [torch.Tensor] * 3
-    assert all(a is b for a, b in zip(by_dict[2], by_list[2], strict=True))
-    params = {"p": torch.nn.Parameter(torch.rand(2)), "q": torch.nn.Parameter(torch.rand(2))}
-    walked = _shard_cache.walk(params)
-    assert walked is not None and walked[0][1] is torch.nn.Parameter
-    check = RecordMemo()
-    check.remember(by_dict[2], [False] * 3, check.records, 0)
-    assert check.matches(list(tensors))
-    for change in (
-        lambda t: t[0].requires_grad_(True),
-        lambda t: t.__setitem__(1, t[1].double()),
-        lambda t: t.__setitem__(1, t[1].contiguous()),
-    ):
-        changed = list(tensors)
-        change(changed)
-        assert not check.matches(changed)
-        tensors[0].requires_grad_(False)
 
 
 @pytest.mark.timeout(120)
