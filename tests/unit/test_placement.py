@@ -45,7 +45,7 @@ def test_each_storage_has_its_own_aligned_slot_and_one_host_copy() -> None:
         assert slots[-1][0] + slots[-1][1] <= placement.total
         assert placement.total <= sum(n + ALIGN - 1 for _, n in storages)
         # One copy per non-empty host storage: its own bytes into its own slot.
-        assert list(placement.runs) == [
+        assert list(placement.host) == [
             (offset, address, nbytes)
             for (address, nbytes), (offset, _) in zip(storages, slots, strict=True)
             if address is not None and nbytes

@@ -84,27 +84,27 @@ def align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """``offsets[i]``: storage i's slot in an arena of ``total`` bytes. ``runs``: the host
+    """``offsets[i]``: storage i's slot in an arena of ``total`` bytes. ``host``: the host
     copies, one ``(arena offset, source address, bytes)`` per non-empty host storage, in slot
     order."""
 
     total: int
     offsets: tuple[int, ...]
-    runs: tuple[Segment, ...]
+    host: tuple[Segment, ...]
 
 
 def place(storages: Sequence[tuple[int | None, int]]) -> Placement:
     """Place storages given as ``(host address, or None for a device storage, bytes)``, back
     to back in the order given, each at a multiple of ``ALIGN``."""
     offsets: list[int] = []
-    runs: list[Segment] = []
+    host: list[Segment] = []
     cursor = 0
     for address, nbytes in storages:
         offsets.append(cursor)
         if address is not None and nbytes:
-            runs.append((cursor, address, nbytes))
+            host.append((cursor, address, nbytes))
         cursor += align(nbytes)
-    return Placement(cursor, tuple(offsets), tuple(runs))
+    return Placement(cursor, tuple(offsets), tuple(host))
 
 
 # -- host copies: memmove on copy threads ------------------------------------------------------
