@@ -4,8 +4,8 @@ Rows of the matrix, all in one 2-rank job (one launch, one worker start-up):
 
 * ``write_raises``: one rank's storage raises ``EIO`` at a phase of the save, cycling
   through every phase there is: for DCP the writer's set-up (``makedirs``, trainer), the
-  data file's open, a random byte of it, its rename, the results file (worker), reading the
-  results back and the commit record (trainer); for local saves before or after the copies
+  data file's open, a random byte of it, its rename (worker) and the commit record
+  (trainer); for local saves before or after the copies
   are written, in the worker, in the replication thread, or inline for a synchronous save.
 * ``disk_full``: a real full file system. The test mounts a small ``tmpfs``; the job fills
   it so that a random amount short of the next save is free, saves, and must get a named
@@ -59,8 +59,6 @@ WRITE_CASES: list[tuple[str, Phase, str, str]] = [
     ("dcp", Phase.OPEN_WRITE, "*.distcp", "async"),
     ("dcp", Phase.WRITE, "*.distcp", "async"),
     ("dcp", Phase.BEFORE_COMMIT, "*.distcp", "async"),
-    ("dcp", Phase.OPEN_WRITE, "*.write_results", "async"),
-    ("dcp", Phase.OPEN_READ, "*.write_results", "async"),
     ("dcp", Phase.OPEN_WRITE, ".metadata", "async"),
     ("dcp", Phase.MAKEDIRS, "*", "async"),
     ("plain", Phase.BEFORE_CALL, "*", "async"),

@@ -153,7 +153,7 @@ def test_seed_example_two_ranks_bit_exact(s3_and_posix_stores) -> None:
         assert ".metadata" in listed, store.kind
         assert any(name.startswith("__0_") for name in listed), store.kind
         assert any(name.startswith("__1_") for name in listed), store.kind
-        assert not any(name.endswith(".write_results") for name in listed), store.kind
+        assert all(name.endswith((".distcp", ".metadata")) for name in listed), store.kind
         assert "iteration-0010/.metadata" in store.keys("iteration-0010"), store.kind
 
 

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._dcp_write import load_report
+from resilient_ckpt.async_ckpt._dcp_write import take_report
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import save_state_dict_async_plan
 from resilient_ckpt.tiered._writes import write_tiers
@@ -44,7 +44,7 @@ def test_memory_and_durable_tiers_are_written_concurrently(tmp_path) -> None:
     )
     write_tiers(memory_job, durable_job, 0, buckets)
     for directory, job in ((memory_dir, memory_job), (durable_dir, durable_job)):
-        report = load_report(job)
+        report = take_report(job)
         assert report.failure is None, report.failure
         names = [f.name for f in report.files]
         assert names == [name for _, name, _ in buckets]

@@ -22,7 +22,9 @@ raised on every rank by the agreement itself.
 :class:`TemporalAsyncCaller` (deprecated in NVRx, kept for compatibility) forks one child
 per request. The fork itself is the snapshot of CPU memory (copy-on-write); CUDA tensors
 must be moved to the host by ``preload_fn`` first, which runs in the trainer before the
-fork. The child's exit code is checked and its exception, if any, is sent back as a value.
+fork. The child's exit code is checked and its exception, if any, is sent back as a value,
+over the pipe that also carries its reports (:mod:`._reports`); the trainer reads that pipe
+while the child runs, so a report larger than the pipe's buffer never blocks the child.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import enum
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -51,7 +54,8 @@ from ..errors import (
     RemoteTraceback,
     WorkerDiedError,
 )
-from ._worker import RemoteFailure, arm_parent_death_signal
+from . import _reports
+from ._worker import RemoteFailure, Report, arm_parent_death_signal
 
 logger = get_logger(__name__)
 
@@ -387,6 +391,7 @@ def _failure_of(status: LocalStatus, call_idx: int) -> BaseException | None:
 
 def _fork_entry(conn: Connection, parent_pid: int, async_fn: Any, args: list, kwargs: dict) -> None:
     arm_parent_death_signal(parent_pid)
+    _reports.set_sink(lambda key, value: conn.send(Report(key, value)))
     try:
         async_fn(*args, **kwargs)
     except BaseException as exc:
@@ -406,6 +411,8 @@ class TemporalAsyncCaller(AsyncCaller):
         self._conn: Connection | None = None
         self._call_idx: int | None = None
         self._status: LocalStatus | None = None
+        self._failure: RemoteFailure | None = None
+        self._recv_lock = threading.Lock()
         self.preloaded_holder: Any = None
         # What the child reads (function, arguments): kept until the child has finished,
         # since the queue drops its own references at scheduling (pinned host memory freed
@@ -437,18 +444,34 @@ class TemporalAsyncCaller(AsyncCaller):
         self.process.start()
         writer.close()
         self._conn = reader
+        self._failure = None
+        _reports.register_pump(self)
+
+    def pump_reports(self) -> None:
+        """Read what the child sent so far: reports into the inbox, its failure kept."""
+        with self._recv_lock:
+            conn = self._conn
+            if conn is None:
+                return
+            try:
+                while conn.poll(0):
+                    message = conn.recv()
+                    if isinstance(message, Report):
+                        _reports.deliver(message.key, message.value)
+                    elif isinstance(message, RemoteFailure):
+                        self._failure = message
+            except (EOFError, OSError):
+                conn.close()
+                self._conn = None
 
     def _settle(self) -> None:
         if self._status is not None or self.process is None:
             return
+        self.pump_reports()
         if self.process.exitcode is None:
             return
-        failure = None
-        if self._conn is not None and self._conn.poll(0):
-            try:
-                failure = self._conn.recv()
-            except (EOFError, OSError):
-                failure = None
+        self.pump_reports()  # what it sent just before it exited
+        failure = self._failure
         code = self.process.exitcode
         self.process.join()
         rank = self.rank if self.rank is not None else 0
@@ -480,8 +503,17 @@ class TemporalAsyncCaller(AsyncCaller):
         return self._status or LocalStatus(State.RUNNING)
 
     def wait_local(self, call_idx: int, timeout: float) -> LocalStatus:
-        if self._status is None and self.process is not None:
-            wait([self.process.sentinel], timeout)
+        deadline = time.monotonic() + timeout
+        while self._status is None and self.process is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            conn = self._conn
+            wait(
+                [self.process.sentinel] if conn is None else [self.process.sentinel, conn],
+                remaining,
+            )
+            self._settle()
         return self.local_status(call_idx)
 
     def close(self, abort: bool = False) -> list[int]:
@@ -500,9 +532,10 @@ class TemporalAsyncCaller(AsyncCaller):
                 )
                 self.process.kill()
                 self.process.join(self.timeouts.shutdown)
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        with self._recv_lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
         if self.process is None or self.process.exitcode is not None:
             self.preloaded_holder = None
             self._execution = None

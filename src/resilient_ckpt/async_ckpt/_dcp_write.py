@@ -4,8 +4,8 @@ file checksummed, the outcome reported to the trainer.
 What runs where. The trainer splits a rank's plan into *write buckets*, one per data file
 (:mod:`._dcp_buckets`); the background process (persistent worker, forked child, or the
 trainer itself for ``execute_sync``) runs :func:`run_write_job`, which writes each bucket
-with :func:`write_file` and records the outcome for the trainer to read back
-(:func:`load_report`).
+with :func:`write_file` and posts the outcome, a :class:`RankWriteReport`, for the trainer
+to take (:func:`take_report`).
 
 Decisions:
 
@@ -23,10 +23,14 @@ Decisions:
   by bytes; every extra lane's thread starts before the calling thread writes its own lane,
   so the lanes really overlap (``torch.save`` and ``write`` release the GIL for the data).
   With ``multiproc_io`` the extra lanes are child processes of the background worker.
-* **Results travel through a file** (``__<rank>.write_results``), written atomically before
-  any commit: a write failure is recorded there rather than raised, so finalize still runs
-  on every rank and reports it everywhere; the trainer removes the file once read, unless
-  it reports a failure.
+* **Results travel over the background process's channel** (:mod:`._reports`), keyed by
+  the job's token, never through a file: a file per rank and save would be three metadata
+  operations on an object store (PUT, GET, DELETE), thousands per save on a large job.
+  The report is sent as soon as the files are written, before the call ends, so a caller
+  can use it while other work of the same call goes on (the tiered manager's memory tier).
+  A write failure is recorded in the report rather than raised, so finalize still runs on
+  every rank and reports it everywhere. The token makes a report of another save (another
+  job) impossible to take for this one.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import heapq
 import io
 import multiprocessing as mp
 import os
-import pickle
 import threading
 import time
 import traceback
@@ -55,6 +58,7 @@ from ..config import RetryPolicy
 from ..errors import CheckpointWriteError
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.commit import atomic_file
+from . import _reports
 from ._worker import arm_parent_death_signal
 from .cached_metadata_filesystem_reader import ITEM_ALIGNMENT
 
@@ -64,8 +68,6 @@ BytesData = list[tuple[WriteItem, io.BytesIO]]
 TensorData = list[tuple[WriteItem, torch.Tensor]]
 # One data file: (its path, its name inside the checkpoint = the DCP storage key, its items).
 WriteBucket = tuple[str, str, tuple[BytesData, TensorData]]
-
-RESULTS_SUFFIX = ".write_results"
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,6 @@ class WriteJob:
     # to torch's writer.
     align_items: bool = False
 
-    @property
-    def results_name(self) -> str:
-        return f"__{self.rank}{RESULTS_SUFFIX}"
-
     def backend(self) -> StorageBackend:
         return get_backend(self.checkpoint_dir, use_msc=self.use_msc, retry=self.retry)
 
@@ -109,7 +107,7 @@ class FileRecord:
 
 @dataclass
 class RankWriteReport:
-    """Content of a rank's results file."""
+    """What a rank's background write reports to the trainer."""
 
     token: str
     rank: int
@@ -365,7 +363,7 @@ def run_write_job(
     buckets: Sequence[WriteBucket],
     write_one: Callable[[WriteBucket], FileRecord],
 ) -> None:
-    """Write this rank's files, then record the outcome in its results file."""
+    """Write this rank's files, then post the outcome for the trainer (under the token)."""
     started = time.perf_counter()
     report = RankWriteReport(job.token, job.rank)
     try:
@@ -375,11 +373,11 @@ def run_write_job(
         logger.error("writing checkpoint files in %s failed: %r", job.checkpoint_dir, exc)
     report.seconds = time.perf_counter() - started
     try:
-        _store_report(job, report)
+        _reports.post(job.token, report)
     except Exception as exc:
         raise CheckpointWriteError(
-            f"rank {job.rank}: could not record the write results in {job.checkpoint_dir!r} "
-            f"({exc!r}); write outcome: {report.failure or 'success'}",
+            f"rank {job.rank}: could not send the write results of {job.checkpoint_dir!r} "
+            f"to the trainer ({exc!r}); write outcome: {report.failure or 'success'}",
             rank=job.rank,
             path=job.checkpoint_dir,
         ) from exc
@@ -394,47 +392,18 @@ def run_write_job(
         )
 
 
-def _store_report(job: WriteJob, report: RankWriteReport) -> None:
-    backend = job.backend()
-    path = backend.join(job.checkpoint_dir, job.results_name)
-    with backend.open_write(path, sync=job.sync_files) as f:
-        pickle.dump(report, f, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def discard_report(job: WriteJob) -> None:
-    """Remove a results file that was read successfully (failed ones stay for post-mortem)."""
-    backend = job.backend()
-    try:
-        backend.delete(backend.join(job.checkpoint_dir, job.results_name))
-    except OSError as exc:
-        logger.debug("could not remove %s: %r", job.results_name, exc)
-
-
-def load_report(job: WriteJob) -> RankWriteReport:
-    """Read this rank's results file (trainer side); named errors when absent or foreign."""
-    backend = job.backend()
-    path = backend.join(job.checkpoint_dir, job.results_name)
-    try:
-        with backend.open_read(path) as f:
-            report = pickle.load(f)
-    except FileNotFoundError as exc:
-        raise CheckpointWriteError(
-            f"rank {job.rank}: no write results at {path!r}: the background write did not run "
-            "or did not finish (was the AsyncRequest scheduled and waited for?)",
-            rank=job.rank,
-            path=path,
-        ) from exc
-    except Exception as exc:
-        raise CheckpointWriteError(
-            f"rank {job.rank}: unreadable write results at {path!r}: {exc!r}",
-            rank=job.rank,
-            path=path,
-        ) from exc
+def take_report(
+    job: WriteJob, *, timeout: float = 0.0, ended: Callable[[], bool] | None = None
+) -> RankWriteReport:
+    """This rank's write report (trainer side): waits up to ``timeout`` while the call runs
+    (``ended``: whether it is over); named errors when it did not report."""
+    what = f"the background write to {job.checkpoint_dir!r}"
+    report = _reports.take(job.token, rank=job.rank, what=what, timeout=timeout, ended=ended)
     if not isinstance(report, RankWriteReport) or report.token != job.token:
         raise CheckpointWriteError(
-            f"rank {job.rank}: {path!r} holds the results of another save (stale file or two "
-            "saves into one directory at once); this save's write did not report",
+            f"rank {job.rank}: {what} reported {type(report).__name__}, not this save's "
+            "write results",
             rank=job.rank,
-            path=path,
+            path=job.checkpoint_dir,
         )
     return report

@@ -9,10 +9,14 @@ requests in flight.
   that a script must guard its entry point, since ``spawn`` re-imports the main module.
 * **Scheduling** stages the request into a shared-memory arena (:mod:`._staging`), attaches
   the arena to the worker once, and sends a ``Submit``.
-* **Results** are drained without blocking. A worker that dies is noticed by its process
-  sentinel or by EOF on the connection and is reaped: every call in flight fails with a
-  :class:`WorkerDiedError` naming the rank and the exit code, and its arenas are freed. The
-  next request starts a fresh worker.
+* **Results** are drained without blocking. ``Report`` messages (sent while a request runs,
+  before its ``Result``) go to the process-wide inbox of :mod:`._reports`. A report may be
+  awaited on another thread (the tiered manager's replicator), so the caller is also a
+  *pump* through which that thread reads the channel, one reader at a time; a ``Result``
+  read there waits for the trainer thread, which alone changes the caller's state.
+* **A dead worker** is noticed by its process sentinel or by EOF on the connection and is
+  reaped: every call in flight fails with a :class:`WorkerDiedError` naming the rank and
+  the exit code, and its arenas are freed. The next request starts a fresh worker.
 * **Shutdown escalates**: ``Shutdown`` after the queued requests (unless aborting), then
   SIGTERM, then SIGKILL.
 """
@@ -23,8 +27,9 @@ import functools
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -38,7 +43,7 @@ from ..errors import (
     CheckpointTimeoutError,
     WorkerDiedError,
 )
-from . import _worker
+from . import _reports, _worker
 from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, AsyncRequest, LocalStatus, State, exit_description, failure_error
 from ._copy import DeviceOrder, check_copy_threads, make_side_streams, warm_threads
@@ -49,6 +54,7 @@ from ._worker import (
     Channel,
     DetachArena,
     Hello,
+    Report,
     Result,
     Shutdown,
     Submit,
@@ -111,6 +117,10 @@ class PersistentAsyncCaller(AsyncCaller):
         self._start_deadline = 0.0
         self._ready = False
         self._inflight: OrderedDict[int, int | None] = OrderedDict()
+        # One reader of the channel at a time; Results read but not yet applied.
+        self._recv_lock = threading.Lock()
+        self._arrived: deque[Result] = deque()
+        _reports.register_pump(self)
         self._status: dict[int, LocalStatus] = {}
         self._attached: set[int] = set()
         self._pool = ArenaPool(max_staging_buffers)
@@ -216,9 +226,11 @@ class PersistentAsyncCaller(AsyncCaller):
         self._inflight.clear()
         self._pool.release_all()
         self._attached.clear()
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
+        with self._recv_lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = None
+            self._arrived.clear()
         self.process = None
         self._ready = False
 
@@ -417,6 +429,32 @@ class PersistentAsyncCaller(AsyncCaller):
             self._status[result.call_idx] = LocalStatus(State.DONE, None, dict(result.timings))
         self.timings.setdefault(result.call_idx, {}).update(result.timings)
 
+    def _receive(self) -> bool:
+        """Read every message that has arrived (the caller holds ``_recv_lock``): reports
+        into the inbox, results queued for :meth:`_drain`. False once the channel is lost."""
+        channel = self._channel
+        if channel is None or not self._ready:
+            return True
+        try:
+            while channel.poll(0):
+                body = channel.recv()
+                if isinstance(body, Report):
+                    _reports.deliver(body.key, body.value)
+                elif isinstance(body, Result):
+                    self._arrived.append(body)
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def pump_reports(self) -> None:
+        """Deliver the reports that have arrived (any thread; skipped while another thread
+        reads the channel, which delivers them)."""
+        if self._recv_lock.acquire(blocking=False):
+            try:
+                self._receive()
+            finally:
+                self._recv_lock.release()
+
     def _drain(self) -> None:
         """Read every message that has arrived; notice a dead worker."""
         self._settle_snapshot()
@@ -425,15 +463,13 @@ class PersistentAsyncCaller(AsyncCaller):
             if self.process is not None and self.process.exitcode is not None:
                 self._reap()
             return
-        try:
-            while channel.poll(0):
-                body = channel.recv()
-                if isinstance(body, Result):
-                    self._on_result(body)
-        except (EOFError, OSError):
-            self._reap()
-            return
-        if self.process is not None and self.process.exitcode is not None:
+        with self._recv_lock:
+            alive = self._receive()
+            arrived = list(self._arrived)
+            self._arrived.clear()
+        for result in arrived:
+            self._on_result(result)
+        if not alive or (self.process is not None and self.process.exitcode is not None):
             self._reap()
 
     def local_status(self, call_idx: int) -> LocalStatus:
@@ -452,7 +488,9 @@ class PersistentAsyncCaller(AsyncCaller):
             if not self._ready:
                 self._handshake()
                 continue
-            wait([self._channel.conn, self.process.sentinel], remaining)
+            with self._recv_lock:  # no other reader between this look and the wait
+                if not self._arrived:
+                    wait([self._channel.conn, self.process.sentinel], remaining)
 
     def forget(self, call_idx: int) -> None:
         super().forget(call_idx)

@@ -16,6 +16,8 @@ This is the process side of :class:`._persistent.PersistentAsyncCaller`; the tra
   hands requests to the main thread, which executes them one at a time: unstage the
   arguments from the arena, run ``preload_fn`` (its result replaces ``async_fn_args[1]``, as
   in NVRx), run ``async_fn``, reply with a :class:`Result` carrying timings or the failure.
+  While it runs, the request may send :class:`Report` values (see :mod:`._reports`): the
+  trainer can use them before the ``Result`` arrives.
 * **The trainer decides when the worker stops.** It exits on ``Shutdown`` (after the queued
   requests), when the connection closes, or when its parent dies. SIGINT is ignored: a
   Ctrl-C aimed at the trainer must not tear a write.
@@ -32,6 +34,7 @@ Conversation::
     worker  -> trainer   Hello            once, after start-up (the handshake)
     trainer -> worker    AttachArena+fd   once per staging arena the worker has not seen
     trainer -> worker    Submit           one per request, in call order
+    worker  -> trainer   Report           any number, while a request runs
     worker  -> trainer   Result           one per Submit, in the same order
     trainer -> worker    DetachArena      when the trainer frees an arena
     trainer -> worker    Shutdown         orderly exit after the queued requests
@@ -60,6 +63,7 @@ from typing import Any, ClassVar
 from .. import _logging
 from .._logging import get_logger
 from ..errors import CheckpointingException
+from . import _reports
 
 logger = get_logger(__name__)
 
@@ -72,6 +76,7 @@ class Kind(enum.Enum):
     DETACH_ARENA = "detach_arena"
     SUBMIT = "submit"
     RESULT = "result"
+    REPORT = "report"
     SHUTDOWN = "shutdown"
 
 
@@ -157,11 +162,20 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Report:
+    """A value the running request posted for the trainer (:func:`._reports.post`)."""
+
+    KIND: ClassVar[Kind] = Kind.REPORT
+    key: str
+    value: Any
+
+
+@dataclass(frozen=True)
 class Shutdown:
     KIND: ClassVar[Kind] = Kind.SHUTDOWN
 
 
-Body = Hello | AttachArena | DetachArena | Submit | Result | Shutdown
+Body = Hello | AttachArena | DetachArena | Submit | Result | Report | Shutdown
 
 
 class ProtocolError(CheckpointingException):
@@ -366,7 +380,9 @@ def main(
         package_logger.addHandler(handler)
     set_qos(cpu_priority, io_priority)
 
+    widen_send_buffer(conn)  # a report (a rank's write results) is sent while writing
     channel = Channel(conn)
+    _reports.set_sink(lambda key, value: channel.send(Report(key, value)))
     arenas: dict[int, Any] = {}
     work: queue.Queue = queue.Queue()
     channel.send(Hello(os.getpid()))

@@ -15,12 +15,14 @@ Call protocol (every rank; "trainer" is the training process):
 4. ``get_save_function_and_args()`` -> ``(save_fn, preload_fn, args)`` for
    ``AsyncRequest(save_fn, args, [finalize], preload_fn=preload_fn)``; ``args[1]`` is the
    bucket list, which ``preload_fn`` replaces by its host copy. ``save_fn`` runs in the
-   background process (see :mod:`._dcp_write`) and writes ``__<rank>_<k>.distcp`` files plus
-   a per-rank results file (``__<rank>.write_results``, removed once read unless it reports
-   a failure).
-5. ``retrieve_write_results()`` (trainer, finalize): this rank's ``WriteResult`` list, read
-   back from the results file; raises :class:`~resilient_ckpt.errors.CheckpointWriteError`
-   when the write failed or did not report.
+   background process (see :mod:`._dcp_write`): it writes ``__<rank>_<k>.distcp`` files and
+   sends their report (files, sizes, CRC32s, ``WriteResult`` lists, or the failure) back
+   over the background process's channel to the trainer (:mod:`._reports`); nothing else
+   is written into the checkpoint.
+5. ``retrieve_write_results()`` (trainer, finalize, once the request is done): this rank's
+   ``WriteResult`` list, from that report; raises
+   :class:`~resilient_ckpt.errors.CheckpointWriteError` when the write failed or did not
+   report.
 6. ``finish(metadata, results)`` (coordinator, finalize, after all ranks succeeded): writes
    the commit record ``.metadata`` last, atomically (temporary name, fsync, rename, directory
    fsync), including a table of every data file's size and CRC32 that ``dcp.load`` ignores and
@@ -43,7 +45,7 @@ What the writer decides besides torch's protocol:
   reported on every rank. Local paths only: object stores have no directories to probe;
   their first upload reports a bad profile or bucket.
 * **Results are checked, then committed with a file table.** The report the background
-  write left becomes this rank's file table, or a ``CheckpointWriteError`` naming the rank
+  write sent becomes this rank's file table, or a ``CheckpointWriteError`` naming the rank
   when the write failed or did not write every planned file. On the coordinator the
   metadata is filled in as torch's writer does, plus every data file's size and CRC32 under
   :data:`FILE_TABLE_ATTR`, and written as the commit record
@@ -92,9 +94,8 @@ from ._dcp_write import (
     FileRecord,
     WriteBucket,
     WriteJob,
-    discard_report,
-    load_report,
     run_write_job,
+    take_report,
     write_file,
 )
 from ._staging import DeferredList, resolved
@@ -106,7 +107,7 @@ __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
 # Extra attribute of the pickled Metadata (dcp.load ignores it): {"algorithm", "files"}.
 FILE_TABLE_ATTR = "resilient_ckpt_files"
 
-# NVRx/Megatron probe for this attribute; our writer returns results through a file instead.
+# NVRx/Megatron probe for this attribute; our writer's results come back as a report instead.
 _results_queue: Any = None
 
 
@@ -530,9 +531,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         handed_out = self.write_buckets is None
         if self._job is None or not (self._expected_files or handed_out):
             return []
-        report = load_report(self._job)
+        report = take_report(self._job)
         self.written_files = _checked_files(report, self._expected_files, self.checkpoint_dir)
-        discard_report(self._job)
         return [result for record in report.files for result in record.results]
 
     def finish(

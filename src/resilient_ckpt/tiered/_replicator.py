@@ -2,8 +2,9 @@
 
 Per save, every rank's replicator thread runs the same steps, in save order:
 
-1. wait (deadline) until the worker's memory-tier results file for this save exists (or the
-   worker's call ended without one: the tier was too full even for the report);
+1. wait (deadline) for the worker's memory-tier report of this save, which it sends over
+   its channel while the call may still be writing the durable tier (or until the call
+   ended without one);
 2. all-gather every rank's outcome and file records (names, sizes, CRC32, DCP results);
 3. inside each clique, broadcast each member's files as *one flat buffer* and write the
    peers' files next to its own (each piece checked against the CRC32 its owner reported);
@@ -44,8 +45,13 @@ import torch.distributed as dist
 
 from .. import _checksum, _dist
 from .._logging import get_logger
-from ..async_ckpt._dcp_write import FileRecord, WriteJob, discard_report, load_report
-from ..errors import CheckpointingException, CheckpointTimeoutError, StorageError
+from ..async_ckpt._dcp_write import FileRecord, WriteJob, take_report
+from ..errors import (
+    CheckpointingException,
+    CheckpointTimeoutError,
+    CheckpointWriteError,
+    StorageError,
+)
 from ..local.replication.group_utils import CliqueGroup
 from ..storage.posix import PosixBackend
 from ._layout import METADATA_NAME, prune_memory, remove_step
@@ -80,7 +86,6 @@ class Replicator:
         clique: CliqueGroup | None,
         keep_memory: int,
         report_timeout: float,
-        poll_interval: float,
         on_phase: PhaseHook,
     ) -> None:
         self.memory_dir = memory_dir
@@ -89,7 +94,6 @@ class Replicator:
         self.clique = clique
         self.keep_memory = keep_memory
         self.report_timeout = report_timeout
-        self.poll_interval = poll_interval
         self.on_phase = on_phase
         self._jobs: queue.Queue[MemorySave | None] = queue.Queue()
         self._thread = threading.Thread(
@@ -160,30 +164,14 @@ class Replicator:
     def _local_outcome(self, save: MemorySave) -> tuple[Exception | None, list[FileRecord]]:
         if save.job is None:
             return None, []
-        path = os.path.join(save.job.checkpoint_dir, save.job.results_name)
-        deadline = time.monotonic() + self.report_timeout
-        while not os.path.exists(path):
-            if save.call_finished.is_set() and not os.path.exists(path):
-                return (
-                    StorageError(
-                        f"rank {self.rank}: the memory-tier write of step {save.step} left no "
-                        f"results file in {save.step_dir!r} (is the memory tier full?)"
-                    ),
-                    [],
-                )
-            if time.monotonic() > deadline:
-                return (
-                    CheckpointTimeoutError(
-                        f"rank {self.rank}: the memory-tier write of step {save.step} did "
-                        f"not finish within {self.report_timeout:.0f}s"
-                    ),
-                    [],
-                )
-            time.sleep(self.poll_interval)
         try:
-            report = load_report(save.job)
-        except CheckpointingException as exc:
-            return StorageError(str(exc)), []
+            report = take_report(
+                save.job, timeout=self.report_timeout, ended=save.call_finished.is_set
+            )
+        except CheckpointWriteError as exc:
+            return StorageError(f"memory tier of step {save.step}: {exc}"), []
+        except CheckpointTimeoutError as exc:
+            return exc, []
         if report.failure is not None:
             last = report.failure.strip().splitlines()[-1]
             return (
@@ -193,7 +181,6 @@ class Replicator:
                 ),
                 [],
             )
-        discard_report(save.job)
         return None, list(report.files)
 
     def _replicate(self, save: MemorySave, records: list[list[FileRecord]]) -> None:

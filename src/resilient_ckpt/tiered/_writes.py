@@ -14,12 +14,13 @@ second time (twice the stall and the host memory); copying the memory-tier files
 durable storage later from the trainer process would compete with training for the GIL
 and for the page cache.
 
-Each tier's write reports through its own results file (see ``async_ckpt._dcp_write``),
-so the memory tier is committed as soon as its report exists, without waiting for the
-durable write running beside it in the same call. A memory-tier failure (the RAM tier full)
-is recorded in its report and never stops the durable write; if even the report cannot
-be stored, the failure is logged and the trainer sees "call finished, no memory report",
-which it treats as a failed memory write.
+Each tier's write posts its own report (its job's token is the key; see
+``async_ckpt._dcp_write``), sent to the trainer over the worker's channel as soon as that
+tier's files are written: the memory tier is committed as soon as its report arrives,
+without waiting for the durable write running beside it in the same call. A memory-tier
+failure (the RAM tier full) is recorded in its report and never stops the durable write;
+if even the report cannot be sent, the failure is logged and the trainer sees "call
+finished, no memory report", which it treats as a failed memory write.
 """
 
 from __future__ import annotations
@@ -88,10 +89,9 @@ def _write_memory_tier(job: WriteJob, rank: int, buckets: list[WriteBucket], dur
     try:
         run_write_job(job, buckets, functools.partial(write_file, job))
     except Exception as exc:
-        # Could not even record the outcome (tier full). Without a durable copy to write,
-        # fail the call: its error (the ENOSPC) then reaches every rank. Otherwise the
-        # durable copy is written anyway; the trainer notices the missing report once this
-        # call ends.
+        # Could not even send the outcome. Without a durable copy to write, fail the call:
+        # its error then reaches every rank. Otherwise the durable copy is written anyway;
+        # the trainer notices the missing report once this call ends.
         if not durable:
             raise
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -175,7 +175,6 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
             clique=clique,
             keep_memory=keep_memory,
             report_timeout=self.timeouts.finalize,
-            poll_interval=min(self.timeouts.poll_interval, 0.01),
             on_phase=self._phase,
         )
         self._pending: deque[PendingSave] = deque()

@@ -206,9 +206,9 @@ def faulty_request(
 class FaultyWriter(FileSystemWriterAsync):
     """:class:`FileSystemWriterAsync` with ``faults`` in every phase of its save.
 
-    Storage faults fire in the trainer during set-up (``MAKEDIRS``), while reading the
-    write results and while committing (``.metadata``), and in the background process
-    while writing data and results files. One writer per save, as with its base class.
+    Storage faults fire in the trainer during set-up (``MAKEDIRS``) and while committing
+    (``.metadata``), and in the background process while writing data files. One writer
+    per save, as with its base class.
     """
 
     def __init__(self, path: Any, *args: Any, faults: Fault | Sequence[Fault] = (), **kwargs: Any):
@@ -227,10 +227,6 @@ class FaultyWriter(FileSystemWriterAsync):
         if save_fn is not None and self.faults:
             save_fn = FaultyCall(save_fn, self.faults, self._rank())
         return save_fn, preload_fn, args
-
-    def retrieve_write_results(self) -> Any:
-        with installed(self._injector):
-            return super().retrieve_write_results()
 
     def finish(self, metadata: Any, results: Any, file_checksums: Any = None) -> None:
         plain = self._backend
