@@ -116,3 +116,12 @@ def result_then_linger(rank: int, world_size: int, seconds: float) -> int:
 
     threading.Thread(target=time.sleep, args=(seconds,), daemon=False).start()
     return rank * 10
+
+
+def environment_and_alias(rank: int, world_size: int, name: str) -> tuple[str | None, bool]:
+    """A rank's view of the variable ``name`` and whether the NVRx alias is installed."""
+    import os
+
+    from resilient_ckpt.compat import nvrx_alias_installed
+
+    return os.environ.get(name), nvrx_alias_installed()

@@ -150,7 +150,7 @@ def test_megatron_async_sharded_save_and_load(
 ) -> None:
     # Set in the parent so every spawned rank (and its worker) starts with the alias.
     monkeypatch.setenv(NVRX_ALIAS_ENV, "1")
-    results = launch(_megatron_rank, 2, str(tmp_path), timeout=200)
+    results = launch(_megatron_rank, 2, str(tmp_path), timeout=200, start_method="spawn")
     assert all(r["cached_metadata"] >= 1 for r in results), results  # our reader was used
     files = results[0]["files"]
     assert "metadata.json" in files and ".metadata" in files

@@ -113,7 +113,7 @@ def test_megatron_local_checkpoints_with_replication(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(NVRX_ALIAS_ENV, "1")
-    results = launch(_local_rank, 2, str(tmp_path), timeout=200)
+    results = launch(_local_rank, 2, str(tmp_path), timeout=200, start_method="spawn")
     assert results == [[(10, 0, ""), (20, 0, "")], [(10, 1, ""), (20, 1, "")]]
     # retention kept the newest iteration only; rank 0 holds both shards of it
     kept = os.listdir(tmp_path / "0")

@@ -18,7 +18,10 @@ imported them, instead of a fresh interpreter importing torch (seconds of CPU pe
 small machine, which dominated a test suite of short multi-process tests). It behaves as
 ``spawn`` does for what a test can see: no state of the launching process is inherited (the
 server started clean), ``fn`` and its arguments are pickled, and each rank gets the
-launching process's environment of the moment it is launched, as a spawned one would.
+launching process's environment of the moment it is launched, as a spawned one would. What
+runs only when an interpreter starts (``.pth`` start-up hooks, such as the NVRx alias that
+``RESILIENT_CKPT_NVRX_ALIAS`` switches on) ran in the server, under the environment of its
+own start: a test of such a hook launches with ``start_method="spawn"``.
 """
 
 from __future__ import annotations
@@ -124,9 +127,12 @@ def _set_intra_op_threads(world_size: int) -> None:
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "resilient_ckpt"]
 
 
-def _context() -> Any:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+def _context(start_method: str) -> Any:
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
@@ -149,15 +155,17 @@ def launch(
     env: dict[str, str] | None = None,
     pg_timeout: float | None = None,
     process_group: bool = True,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results.
 
     ``process_group=False`` starts the processes without a process group (for a function
     that forks or launches jobs of its own and must not carry one into them).
+    ``start_method="spawn"`` starts each rank as a new interpreter (see the module docstring).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _context()
+    ctx = _context(start_method)
     tmpdir = tempfile.mkdtemp(prefix="rc_launch_")
     store_path = os.path.join(tmpdir, "store")
     procs, conns = [], []
