@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
 import torch
 
 from resilient_ckpt.async_ckpt._arena import ARENA_NAME
+from resilient_ckpt.local import TensorAwareStateDict
 
 
 @contextlib.contextmanager
@@ -125,3 +128,80 @@ def environment_and_alias(rank: int, world_size: int, name: str) -> tuple[str | 
     from resilient_ckpt.compat import nvrx_alias_installed
 
     return os.environ.get(name), nvrx_alias_installed()
+
+
+class ListState(TensorAwareStateDict):
+    """A custom state, as Megatron's: tensors in a list, an iteration beside them."""
+
+    def __init__(self, tensors: list[torch.Tensor], iteration: int) -> None:
+        self._tensors: list[torch.Tensor] | None = tensors
+        self.iteration = iteration
+
+    def pop_tensors(self) -> list[torch.Tensor]:
+        tensors, self._tensors = self._tensors, None
+        return tensors or []
+
+    def insert_tensors(self, tensor_data: Any) -> None:
+        self._tensors = list(tensor_data)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._tensors or [])
+
+    @property
+    def is_hollow(self) -> bool:
+        return self._tensors is None
+
+    def init_tensors(self) -> None:
+        raise NotImplementedError
+
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        pass
+
+    def restore_tensor_device(self, non_blocking: bool = False) -> None:
+        pass
+
+
+def flagged(t: torch.Tensor) -> torch.Tensor:
+    t._is_param = True  # type: ignore[attr-defined]
+    return t
+
+
+def random_nested_state(rng: random.Random, depth: int = 0, signed_zero: bool = True) -> Any:
+    """A random nest of dicts, OrderedDicts, lists and tuples over tensors and plain values
+    (some parts only tensors, some mixed, some empty); ``signed_zero``: -0.0 among the leaves."""
+    kind = rng.choice(["dict", "odict", "list", "tuple", "tensors"] if depth < 3 else ["leaf"])
+    if kind == "leaf":
+        leaves = [torch.rand(rng.randint(0, 3)), 1, 2.5, "s", None, b"b", True]
+        return rng.choice(leaves + [-0.0] if signed_zero else leaves)
+    if kind == "tensors":
+        return {f"t{i}": torch.rand(2) for i in range(rng.randint(1, 4))}
+    items = [random_nested_state(rng, depth + 1, signed_zero) for _ in range(rng.randint(0, 3))]
+    if kind == "list":
+        return items
+    if kind == "tuple":
+        return tuple(items)
+    out: Any = dict if kind == "dict" else OrderedDict
+    return out((f"k{i}", item) for i, item in enumerate(items))
+
+
+def skeleton(obj: Any) -> Any:
+    """``obj``'s containers with their types, and every plain leaf with its type and exact
+    value (``repr``: -0.0 is not 0.0); tensors are compared by ``diff``."""
+    if isinstance(obj, dict):
+        return type(obj), [(k, skeleton(v)) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return type(obj), [skeleton(v) for v in obj]
+    return "tensor" if isinstance(obj, torch.Tensor) else (type(obj), repr(obj))
+
+
+# Changes of a ListState's tensors that change its records: (what, the change), in turn.
+LIST_STATE_CHANGES: list[tuple[str, Callable[[list[torch.Tensor]], None]]] = [
+    ("shape", lambda ts: ts.__setitem__(0, torch.rand(5))),
+    ("dtype", lambda ts: ts.__setitem__(1, ts[1].double())),
+    ("requires_grad", lambda ts: ts[2].requires_grad_()),
+    ("parameter", lambda ts: ts.__setitem__(3, torch.nn.Parameter(ts[3].detach()))),
+    ("_is_param flag", lambda ts: ts.__setitem__(4, flagged(ts[4].detach().clone()))),
+    ("one more", lambda ts: ts.append(torch.rand(2, 2))),
+    ("one less", lambda ts: ts.pop()),
+]

@@ -27,6 +27,7 @@ from resilient_ckpt.local._format import (
     stream_to,
 )
 from resilient_ckpt.utils import diff
+from tests import _helpers
 
 
 def _state() -> dict:
@@ -173,45 +174,23 @@ def test_a_training_state_loads_back_with_its_types_attributes_and_sharing(tmp_p
     assert torch.equal(holder.ref["w"], weights["w"])
 
 
-def _random_state(rng: random.Random, depth: int = 0) -> Any:
-    """A random nest of dicts, OrderedDicts, lists and tuples over tensors and plain values
-    (some parts only tensors, some mixed, some empty)."""
-    kind = rng.choice(["dict", "odict", "list", "tuple", "tensors"] if depth < 3 else ["leaf"])
-    if kind == "leaf":
-        return rng.choice([torch.rand(rng.randint(0, 3)), 1, 2.5, -0.0, "s", None, b"b", True])
-    if kind == "tensors":
-        return {f"t{i}": torch.rand(2) for i in range(rng.randint(1, 4))}
-    items = [_random_state(rng, depth + 1) for _ in range(rng.randint(0, 3))]
-    if kind == "list":
-        return items
-    if kind == "tuple":
-        return tuple(items)
-    out: Any = dict if kind == "dict" else OrderedDict
-    return out((f"k{i}", item) for i, item in enumerate(items))
-
-
-def _skeleton(obj: Any) -> Any:
-    """``obj``'s containers with their types, and every plain leaf with its type and exact
-    value (``repr``: -0.0 is not 0.0); tensors are compared by ``diff``."""
-    if isinstance(obj, dict):
-        return type(obj), [(k, _skeleton(v)) for k, v in obj.items()]
-    if isinstance(obj, (list, tuple)):
-        return type(obj), [_skeleton(v) for v in obj]
-    return "tensor" if isinstance(obj, torch.Tensor) else (type(obj), repr(obj))
-
-
 def test_random_states_load_back_as_saved(tmp_path):
     """Random structures, saved again with a changed plain value and a config dict shared by
     identity from the second save on: each load is the state of its save."""
     rng = random.Random(13)
     for n in range(20):
         config = {"lr": 0.1, "tags": ["a"]}
-        state = {"body": _random_state(rng), "config": config, "again": dict(config), "it": 1}
+        state = {
+            "body": _helpers.random_nested_state(rng),
+            "config": config,
+            "again": dict(config),
+            "it": 1,
+        }
         root = str(tmp_path / str(n))
         for iteration in (1, 2):
             loaded = _save_and_load(root, state, iteration)
             assert diff(state, loaded) == ([], [], [])
-            assert _skeleton(loaded) == _skeleton(state)
+            assert _helpers.skeleton(loaded) == _helpers.skeleton(state)
             assert (loaded["again"] is loaded["config"]) == (iteration == 2)
             state.update(it=iteration + 1, again=config)
 

@@ -6,72 +6,25 @@ their record keys; any change gives the records a fresh planning gives
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
 from resilient_ckpt.errors import ConfigurationError
-from resilient_ckpt.local import TensorAwareStateDict
 from resilient_ckpt.local._format import RecordMemo, deserialize, plan_shard, serialize
+from tests import _helpers
 
-
-class _ListState(TensorAwareStateDict):
-    """A custom state, as Megatron's: tensors in a list, an iteration beside them."""
-
-    def __init__(self, tensors: list[torch.Tensor], iteration: int) -> None:
-        self._tensors: list[torch.Tensor] | None = tensors
-        self.iteration = iteration
-
-    def pop_tensors(self) -> list[torch.Tensor]:
-        tensors, self._tensors = self._tensors, None
-        return tensors or []
-
-    def insert_tensors(self, tensor_data: Any) -> None:
-        self._tensors = list(tensor_data)
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self._tensors or [])
-
-    @property
-    def is_hollow(self) -> bool:
-        return self._tensors is None
-
-    def init_tensors(self) -> None:
-        raise NotImplementedError
-
-    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
-        pass
-
-    def restore_tensor_device(self, non_blocking: bool = False) -> None:
-        pass
-
-
-def _flagged(t: torch.Tensor) -> torch.Tensor:
-    t._is_param = True  # type: ignore[attr-defined]
-    return t
-
-
-CHANGES: list[tuple[str, Callable[[list[torch.Tensor]], None]]] = [
-    ("shape", lambda ts: ts.__setitem__(0, torch.rand(5))),
-    ("dtype", lambda ts: ts.__setitem__(1, ts[1].double())),
-    ("requires_grad", lambda ts: ts[2].requires_grad_()),
-    ("parameter", lambda ts: ts.__setitem__(3, torch.nn.Parameter(ts[3].detach()))),
-    ("_is_param flag", lambda ts: ts.__setitem__(4, _flagged(ts[4].detach().clone()))),
-    ("one more", lambda ts: ts.append(torch.rand(2, 2))),
-    ("one less", lambda ts: ts.pop()),
-]
+CHANGES = _helpers.LIST_STATE_CHANGES
 
 
 def test_records_are_reused_while_the_tensors_keep_their_keys() -> None:
     tensors = [torch.rand(4) for _ in range(6)]
     memo = RecordMemo()
-    first = plan_shard(_ListState(tensors, 1), memo)
+    first = plan_shard(_helpers.ListState(tensors, 1), memo)
     tensors[0].add_(1)  # new values, same keys
-    again = plan_shard(_ListState([t.clone() for t in tensors], 2), memo)
+    again = plan_shard(_helpers.ListState([t.clone() for t in tensors], 2), memo)
     assert again.records is first.records
-    assert again.header == plan_shard(_ListState(tensors, 2)).header
+    assert again.header == plan_shard(_helpers.ListState(tensors, 2)).header
 
 
 @pytest.mark.parametrize("what,change", CHANGES, ids=[c[0] for c in CHANGES])
@@ -80,10 +33,10 @@ def test_a_changed_tensor_gets_fresh_records(
 ) -> None:
     tensors = [torch.rand(4) for _ in range(6)]
     memo = RecordMemo()
-    plan_shard(_ListState(tensors, 1), memo)
+    plan_shard(_helpers.ListState(tensors, 1), memo)
     change(tensors)
-    got = plan_shard(_ListState(tensors, 2), memo)
-    want = plan_shard(_ListState(tensors, 2))
+    got = plan_shard(_helpers.ListState(tensors, 2), memo)
+    want = plan_shard(_helpers.ListState(tensors, 2))
     assert list(got.records) == list(want.records), what
     assert got.header == want.header, what
     loaded = deserialize(serialize(got))
@@ -96,7 +49,7 @@ def test_a_changed_tensor_gets_fresh_records(
 def test_a_tensor_that_cannot_be_stored_is_refused_with_a_memo_too() -> None:
     tensors = [torch.rand(4), torch.rand(3)]
     memo = RecordMemo()
-    plan_shard(_ListState(tensors, 1), memo)
+    plan_shard(_helpers.ListState(tensors, 1), memo)
     tensors[1] = torch.eye(3).to_sparse()
     with pytest.raises(ConfigurationError, match="tensor #1"):
-        plan_shard(_ListState(tensors, 2), memo)
+        plan_shard(_helpers.ListState(tensors, 2), memo)

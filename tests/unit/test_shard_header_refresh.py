@@ -15,6 +15,7 @@ from resilient_ckpt.local import BasicTensorAwareStateDict, _pickled
 from resilient_ckpt.local._format import deserialize, plan_shard, serialize
 from resilient_ckpt.local._shard_cache import ShardPlanCache
 from resilient_ckpt.utils import diff
+from tests import _helpers
 
 
 def _state() -> dict:
@@ -183,23 +184,6 @@ def test_a_state_with_other_objects_keeps_its_sharing() -> None:
     assert torch.equal(loaded["holder"].ref["w"], weights["w"])
 
 
-def _random_state(rng: random.Random, depth: int = 0) -> Any:
-    """A random nest of dicts, OrderedDicts, lists and tuples over tensors and plain values
-    (some parts only tensors, some mixed, some empty)."""
-    kind = rng.choice(["dict", "odict", "list", "tuple", "tensors"] if depth < 3 else ["leaf"])
-    if kind == "leaf":
-        return rng.choice([torch.rand(rng.randint(0, 3)), 1, 2.5, "s", None, b"b", True])
-    if kind == "tensors":
-        return {f"t{i}": torch.rand(2) for i in range(rng.randint(1, 4))}
-    items = [_random_state(rng, depth + 1) for _ in range(rng.randint(0, 3))]
-    if kind == "list":
-        return items
-    if kind == "tuple":
-        return tuple(items)
-    out: dict = dict if kind == "dict" else OrderedDict  # type: ignore[assignment]
-    return out((f"k{i}", item) for i, item in enumerate(items))
-
-
 def _plain_leaves(obj: Any, path: tuple = ()) -> list[tuple]:
     if isinstance(obj, dict):
         return [p for k, v in obj.items() for p in _plain_leaves(v, (*path, k))]
@@ -215,7 +199,12 @@ def test_random_states_refresh_to_the_full_planning_header() -> None:
     rng = random.Random(13)
     for _ in range(40):
         config = {"lr": 0.1, "tags": ["a"]}
-        state = {"body": _random_state(rng), "config": config, "again": dict(config), "it": 0}
+        state = {
+            "body": _helpers.random_nested_state(rng, signed_zero=False),
+            "config": config,
+            "again": dict(config),
+            "it": 0,
+        }
         cache = ShardPlanCache()
         for it in range(1, 5):
             state["it"] = it

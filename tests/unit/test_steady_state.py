@@ -24,7 +24,7 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
     save_state_dict_async_plan,
 )
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
-from resilient_ckpt.local import TensorAwareStateDict
+from tests import _helpers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -439,16 +439,6 @@ LOCAL_CHANGES = [
 ]
 
 
-def _skeleton(obj):
-    """``obj``'s containers with their types, and every plain leaf with its type and exact
-    value (``repr``: -0.0 is not 0.0); tensors are compared by ``diff``."""
-    if isinstance(obj, dict):
-        return type(obj), [(k, _skeleton(v)) for k, v in obj.items()]
-    if isinstance(obj, (list, tuple)):
-        return type(obj), [_skeleton(v) for v in obj]
-    return "tensor" if torch.is_tensor(obj) else (type(obj), repr(obj))
-
-
 @pytest.mark.timeout(120)
 def test_local_flow_saves_every_change(tmp_path) -> None:
     """Saved again after each change of ``LOCAL_CHANGES`` (of values, structure, types or
@@ -480,7 +470,7 @@ def test_local_flow_saves_every_change(tmp_path) -> None:
             assert loaded.find_latest() == n
             got = loaded.load()[0].state_dict
             assert diff(expected, got) == ([], [], []), what
-            assert _skeleton(got) == _skeleton(state), what
+            assert _helpers.skeleton(got) == _helpers.skeleton(state), what
             shared = state["config_again"] is state["config"]
             assert (got["config_again"] is got["config"]) == shared, what
             assert got["model"]._metadata == state["model"]._metadata, what
@@ -488,54 +478,11 @@ def test_local_flow_saves_every_change(tmp_path) -> None:
         queue.close()
 
 
-class _ListState(TensorAwareStateDict):
-    """A custom state, as Megatron's: tensors in a list, an iteration beside them."""
-
-    def __init__(self, tensors: list[torch.Tensor], iteration: int) -> None:
-        self._tensors: list[torch.Tensor] | None = tensors
-        self.iteration = iteration
-
-    def pop_tensors(self) -> list[torch.Tensor]:
-        tensors, self._tensors = self._tensors, None
-        return tensors or []
-
-    def insert_tensors(self, tensor_data) -> None:
-        self._tensors = list(tensor_data)
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self._tensors or [])
-
-    @property
-    def is_hollow(self) -> bool:
-        return self._tensors is None
-
-    def init_tensors(self) -> None:
-        raise NotImplementedError
-
-    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
-        pass
-
-    def restore_tensor_device(self, non_blocking: bool = False) -> None:
-        pass
-
-
-def _flagged(t: torch.Tensor) -> torch.Tensor:
-    t._is_param = True  # type: ignore[attr-defined]
-    return t
-
-
 # (what changes, the change to the custom state's tensors), one after the other
 CUSTOM_CHANGES = [
     ("values only", lambda ts: ts[0].add_(1)),
     ("values of new objects", lambda ts: ts.__setitem__(1, ts[1] + 1)),
-    ("shape", lambda ts: ts.__setitem__(0, torch.rand(5))),
-    ("dtype", lambda ts: ts.__setitem__(1, ts[1].double())),
-    ("requires_grad", lambda ts: ts[2].requires_grad_()),
-    ("parameter", lambda ts: ts.__setitem__(3, torch.nn.Parameter(ts[3].detach()))),
-    ("_is_param flag", lambda ts: ts.__setitem__(4, _flagged(ts[4].detach().clone()))),
-    ("one more", lambda ts: ts.append(torch.rand(2, 2))),
-    ("one less", lambda ts: ts.pop()),
+    *_helpers.LIST_STATE_CHANGES,
 ]
 
 
@@ -548,14 +495,14 @@ def test_local_flow_saves_every_change_of_a_custom_state(tmp_path) -> None:
 
     tensors = [torch.rand(4) for _ in range(6)]
     manager = LocalCheckpointManager(str(tmp_path), "s")
-    manager.save(_ListState(tensors, 1), 1)
+    manager.save(_helpers.ListState(tensors, 1), 1)
     for n, (what, change) in enumerate(CUSTOM_CHANGES, start=2):
         change(tensors)
-        manager.save(_ListState(tensors, n), n)
+        manager.save(_helpers.ListState(tensors, n), n)
         loader = LocalCheckpointManager(str(tmp_path), "s")
         assert loader.find_latest() == n
         got = loader.load()[0]
-        assert isinstance(got, _ListState) and got.iteration == n, what
+        assert isinstance(got, _helpers.ListState) and got.iteration == n, what
         assert len(got.tensors) == len(tensors), what
         for saved, loaded in zip(tensors, got.tensors, strict=True):
             assert loaded.dtype == saved.dtype and torch.equal(loaded, saved), what
@@ -564,7 +511,7 @@ def test_local_flow_saves_every_change_of_a_custom_state(tmp_path) -> None:
             assert type(loaded) is (torch.nn.Parameter if param else torch.Tensor), what
     tensors[1] = torch.eye(3).to_sparse()
     with pytest.raises(ConfigurationError, match="tensor #1"):
-        manager.save(_ListState(tensors, len(CUSTOM_CHANGES) + 2), len(CUSTOM_CHANGES) + 2)
+        manager.save(_helpers.ListState(tensors, len(CUSTOM_CHANGES) + 2), len(CUSTOM_CHANGES) + 2)
 
 
 @pytest.mark.timeout(120)
