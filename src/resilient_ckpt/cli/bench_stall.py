@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         skip,
     )
     try:
-        per_rank = launch(_rank_main, args.ranks, cfg, timeout=3600)
+        per_rank = launch(_rank_main, args.ranks, cfg, timeout=3600, start_method="spawn")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     figures, failed, notes = per_rank[0]

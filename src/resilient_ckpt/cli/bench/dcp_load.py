@@ -133,9 +133,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     root = tempfile.mkdtemp(prefix="rc_dcp_load_", dir=args.dir)
     try:
-        times = launch(_run, args.ranks, root, args.size, args.tensors, args.repeats, timeout=3600)[
-            0
-        ]
+        times = launch(
+            _run,
+            args.ranks,
+            root,
+            args.size,
+            args.tensors,
+            args.repeats,
+            timeout=3600,
+            start_method="spawn",
+        )[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(times, args.ranks, args.size, args.repeats).write(

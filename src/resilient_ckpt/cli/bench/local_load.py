@@ -264,7 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     nbytes = int(args.size_mib * 2**20)
     root = tempfile.mkdtemp(prefix="rc_local_bench_", dir=args.dir)
     try:
-        times = launch(_run, args.ranks, root, nbytes, args.repeats, timeout=3600)[0]
+        times = launch(
+            _run, args.ranks, root, nbytes, args.repeats, timeout=3600, start_method="spawn"
+        )[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(times, args.ranks, nbytes, args.repeats)

@@ -338,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.size_mib << 20,
             args.repeats,
             timeout=600,
+            start_method="spawn",
             env={"OMP_NUM_THREADS": "1"},
         )
     finally:
