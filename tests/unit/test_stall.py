@@ -48,7 +48,9 @@ def _same(a: dict, b: dict) -> None:
             assert value == b[key], key
 
 
-def test_copy_plan_splits_evenly_over_threads(monkeypatch) -> None:
+def test_copy_plan_coalesces_contiguous_ranges_and_splits_evenly(monkeypatch) -> None:
+    segments = [(1000, 5000, 10), (1010, 5010, 6), (1100, 6000, 4), (1104, 7000, 0)]
+    assert _copy.coalesce(segments) == [(1000, 5000, 16), (1100, 6000, 4)]
     monkeypatch.setattr(_copy, "PARALLEL_MIN_BYTES", 1)
     big = [(0, 100, 10), (10, 300, 25), (35, 900, 5)]
     shares = _copy.split_shares(big, 3)

@@ -6,19 +6,36 @@ copies that fill it, the only trainer-side data copy of a save. Everything here 
 of the tensors' layouts, so the staging cache (:mod:`._stage_cache`) keeps the plans for the
 next save of the same layout.
 
-Placement: **every storage gets a slot of its own, back to back in the arena, each at a
-64-byte boundary, in the order staging met it**, host and device storages alike. A slot's
-place is then a function of the storages' sizes and order alone, every slot has the alignment
-torch's allocator gives (64 bytes), and a slot holds its storage's bytes and nothing else.
-Views and tensors sharing a storage share its slot: staging groups them before placing.
+Placement: **host storages that lie close together in memory keep their relative places in
+the arena and are copied as one range, the gaps between them included.** A state of thousands
+of small tensors allocated one after another (a model's parameters at start-up, an
+optimizer's moments at its first step) sits in memory as storages separated only by the
+allocator's headers and alignment. Placed back to back in the arena, each storage would be a
+copy call of its own, streaming through memory in the order the state was met; mirrored, a
+run of neighbours is one ``memmove`` in address order.
+
+* Host storages are sorted by address and grouped into *runs*: a storage joins the run before
+  it if it starts at most ``BRIDGE_MAX_BYTES`` after the run's end (or overlaps it: two
+  storage objects over the same memory share those bytes) and the gap is at most a sixteenth
+  of the two neighbours' bytes, so the arena grows by at most an eighth of the state however
+  small its tensors are.
+* **Reading a gap is safe**: it is shorter than the smallest page (4 KiB), so each of its
+  bytes lies on the page of the last byte of the storage before it or on the page of the
+  first byte of the storage after it, both mapped while their storages are alive (the copy
+  keeps them alive). The gap's bytes are copied but never read back: each rebuilt tensor
+  sees only its own slot.
+* A run starts at an arena offset with the alignment of its first source address modulo 64,
+  so every storage keeps its source alignment (torch's allocator aligns to 64 bytes too).
+* Device storages and empty ones follow, each at a 64-byte boundary, in the order met.
 
 Host copies:
 
-* **memmove, not ``copy_``.** A host storage is one contiguous byte range, so its copy is
-  one ``ctypes.memmove`` into its slot: cheaper per call than ``Tensor.copy_`` and, being a
-  foreign call, it releases the GIL, so copy threads run truly in parallel, and in overlapped
-  staging in parallel with the training step.
-* **Large states split over threads.** Above ``PARALLEL_MIN_BYTES`` the copies are cut into
+* **memmove, not ``copy_``.** Every run is one contiguous byte range, so its copy is a
+  ``ctypes.memmove``: cheaper per call than ``Tensor.copy_`` and, being a foreign call, it
+  releases the GIL, so copy threads run truly in parallel, and in overlapped staging in
+  parallel with the training step. Ranges still back to back both in memory and in the arena
+  are merged (:func:`coalesce`).
+* **Large states split over threads.** Above ``PARALLEL_MIN_BYTES`` the ranges are cut into
   ``threads`` shares of equal bytes (a large range is split inside), one per thread of a
   persistent pool; the calling thread copies one share itself. A single thread rarely
   saturates memory bandwidth; several do. The default thread count is
@@ -42,12 +59,9 @@ counts as taken):
   queued before it included), the trainer's stream never waits for them, and the snapshot
   never waits for the training step queued meanwhile (a device-wide synchronize would).
 
-Alternative not taken: mirroring host storages that lie close together in memory (sorted by
-address, the allocator's headers between them copied too) so that a run of neighbours is one
-``memmove``. It pays only when storages are small enough that a call per storage costs as
-much as its bytes; at a realistic shape (a gigabyte per rank in a few thousand tensors, half
-a megabyte each) one ``memmove`` per storage is a large copy already, and the mirroring cost
-a sort, rules to keep the bytes read between storages safe to read, and arena room for them.
+Alternatives rejected: coalescing only exactly adjacent storages never merges two allocations
+of the CPU allocator, whose chunks carry headers; copying the gap-free bytes with a gather in
+native code would need a compiled extension.
 """
 
 from __future__ import annotations
@@ -68,6 +82,9 @@ from ..errors import ConfigurationError, StagingError
 from ._arena import Arena
 from ._worker import Slot
 
+# At most this many bytes between two host storages copied as one range; below the 4 KiB
+# page of every platform torch runs on (see the module docstring).
+BRIDGE_MAX_BYTES = 1024
 ALIGN = 64
 PARALLEL_MIN_BYTES = 8 << 20
 COPY_THREADS_ENV = "RESILIENT_CKPT_COPY_THREADS"
@@ -84,27 +101,49 @@ def align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """``offsets[i]``: storage i's slot in an arena of ``total`` bytes. ``host``: the host
-    copies, one ``(arena offset, source address, bytes)`` per non-empty host storage, in slot
-    order."""
+    """``offsets[i]``: storage i's place in an arena of ``total`` bytes. ``runs``: the host
+    copy as ``(arena offset, source address, bytes)`` ranges, in address order."""
 
     total: int
     offsets: tuple[int, ...]
-    host: tuple[Segment, ...]
+    runs: tuple[Segment, ...]
+
+
+def _bridgeable(gap: int, before: int, after: int) -> bool:
+    return gap <= BRIDGE_MAX_BYTES and gap * 16 <= before + after
 
 
 def place(storages: Sequence[tuple[int | None, int]]) -> Placement:
-    """Place storages given as ``(host address, or None for a device storage, bytes)``, back
-    to back in the order given, each at a multiple of ``ALIGN``."""
-    offsets: list[int] = []
-    host: list[Segment] = []
+    """Place storages given as ``(host address, or None for a device storage, bytes)``."""
+    offsets = [0] * len(storages)
+    host = sorted(
+        (address, i, nbytes)
+        for i, (address, nbytes) in enumerate(storages)
+        if address is not None and nbytes
+    )
+    runs: list[Segment] = []
     cursor = 0
-    for address, nbytes in storages:
-        offsets.append(cursor)
-        if address is not None and nbytes:
-            host.append((cursor, address, nbytes))
-        cursor += align(nbytes)
-    return Placement(cursor, tuple(offsets), tuple(host))
+    start = end = previous = 0
+    for address, i, nbytes in host:
+        if runs and _bridgeable(address - end, previous, nbytes):
+            end = max(end, address + nbytes)
+        else:
+            if runs:
+                runs[-1] = (runs[-1][0], start, end - start)
+                cursor = runs[-1][0] + end - start
+            start, end = address, address + nbytes
+            runs.append((align(cursor) + start % ALIGN, start, 0))
+        offsets[i] = runs[-1][0] + address - start
+        previous = nbytes
+    if runs:
+        runs[-1] = (runs[-1][0], start, end - start)
+        cursor = runs[-1][0] + end - start
+    cursor = align(cursor)
+    for i, (where, size) in enumerate(storages):
+        if where is None or not size:
+            offsets[i] = cursor
+            cursor += align(size)
+    return Placement(cursor, tuple(offsets), tuple(runs))
 
 
 # -- host copies: memmove on copy threads ------------------------------------------------------
@@ -140,6 +179,21 @@ def check_copy_threads(threads: int | None) -> int:
     return threads
 
 
+def coalesce(segments: Sequence[Segment]) -> list[Segment]:
+    """Merge ranges that are contiguous both in the source and in the arena."""
+    merged: list[Segment] = []
+    for dst, src, n in segments:
+        if n == 0:
+            continue
+        if merged:
+            pdst, psrc, pn = merged[-1]
+            if pdst + pn == dst and psrc + pn == src:
+                merged[-1] = (pdst, psrc, pn + n)
+                continue
+        merged.append((dst, src, n))
+    return merged
+
+
 def split_shares(
     segments: Sequence[Segment], shares: int, min_bytes: int | None = None
 ) -> list[list[Segment]]:
@@ -161,6 +215,11 @@ def split_shares(
             out[-1].append((dst, src, take))
             dst, src, n, room = dst + take, src + take, n - take, room - take
     return out
+
+
+def plan_shares(host: Sequence[Segment], threads: int) -> list[list[Segment]]:
+    """The copy work of ``host`` ranges: coalesced, then split over ``threads``."""
+    return split_shares(coalesce(host), threads)
 
 
 def copy_segments(segments: Sequence[Segment], base: int = 0) -> None:
@@ -220,11 +279,11 @@ def copy_all(
     every byte is in the arena when this returns, or when it raises.
 
     The calling thread takes one share of the host ranges, the pool the others. ``shares``
-    (from :func:`split_shares`, destinations relative to ``base``) replaces ``host`` when the
+    (from :func:`plan_shares`, destinations relative to ``base``) replaces ``host`` when the
     plan is already known.
     """
     if shares is None:
-        shares = split_shares(host, threads)
+        shares = plan_shares(host, threads)
     futures = []
     if len(shares) > 1:
         pool = _POOL.get(len(shares) - 1)

@@ -4,7 +4,7 @@ Decision: a training job saves the same structure again and again: the same cont
 keys, tensors with the same shapes, dtypes and strides, mostly in the very same memory. Then
 everything staging derives from the tensors' *layout* is the same as at the previous save:
 each tensor's descriptor (slot, dtype, size, stride, offset), which storages share a slot,
-the slots' places in the arena, and the copy ranges split over the copy threads.
+the slots' places in the arena, and the coalesced copy ranges split over the copy threads.
 Only the bytes differ. So a save first pickles the request *optimistically*, with a reducer
 that answers its i-th call with the previous save's i-th result (one list append, no
 per-tensor queries; a call is one tensor, or a whole ``TensorBatch`` of the staging layer,
@@ -56,7 +56,7 @@ from ._copy import (
     Segment,
     copy_all,
     destinations,
-    split_shares,
+    plan_shares,
     start_copies,
 )
 from ._worker import Slot
@@ -209,7 +209,7 @@ class StageCache:
         self._slots = slots
         self._total = total
         self._threads = threads
-        self._shares = split_shares(host, threads)
+        self._shares = plan_shares(host, threads)
         self._device = device
 
     def try_pickle(

@@ -464,7 +464,7 @@ def copy_into(
     ``order`` where given (see :mod:`._copy`).
     """
     base = arena.address
-    host = [(base + dst, src, n) for dst, src, n in placement.host]
+    host = [(base + dst, src, n) for dst, src, n in placement.runs]
     device_wait = start_copies(device, arena, tensors, order=order)  # run while host copies
     copy_all(host, threads=threads, device_wait=device_wait)
 
@@ -503,7 +503,7 @@ def stage(
     if not slots:
         return StagedRequest(payload, None, (), 0)
     if cache is not None and cache.planned_for(slots):
-        # Copy with the plan just cached, not a second split.
+        # Copy with the plan just cached, not a second coalesce/split.
         arena = cache.copy(pool, wait_for_release, collector.tensors, order=order)
     else:
         arena = pool.acquire(total, wait_for_release)
@@ -538,7 +538,7 @@ def _remember(
         collector.counts,
         collector.reusable,
         slots,
-        list(placement.host),
+        list(placement.runs),
         device,
         placement.total,
         threads,
