@@ -55,7 +55,7 @@ from ..errors import (
     WorkerDiedError,
 )
 from . import _reports
-from ._worker import RemoteFailure, Report, arm_parent_death_signal
+from ._worker import RemoteFailure, Report, arm_parent_death_signal, receive_available
 
 logger = get_logger(__name__)
 
@@ -454,15 +454,14 @@ class TemporalAsyncCaller(AsyncCaller):
             if conn is None:
                 return
             try:
-                while conn.poll(0):
-                    message = conn.recv()
-                    if isinstance(message, Report):
-                        _reports.deliver(message.key, message.value)
-                    elif isinstance(message, RemoteFailure):
-                        self._failure = message
+                receive_available(conn, self._keep_failure)
             except (EOFError, OSError):
                 conn.close()
                 self._conn = None
+
+    def _keep_failure(self, message: Any) -> None:
+        if isinstance(message, RemoteFailure):
+            self._failure = message
 
     def _settle(self) -> None:
         if self._status is not None or self.process is None:

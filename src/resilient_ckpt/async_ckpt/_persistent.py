@@ -54,10 +54,10 @@ from ._worker import (
     Channel,
     DetachArena,
     Hello,
-    Report,
     Result,
     Shutdown,
     Submit,
+    receive_available,
     widen_send_buffer,
 )
 
@@ -436,15 +436,14 @@ class PersistentAsyncCaller(AsyncCaller):
         if channel is None or not self._ready:
             return True
         try:
-            while channel.poll(0):
-                body = channel.recv()
-                if isinstance(body, Report):
-                    _reports.deliver(body.key, body.value)
-                elif isinstance(body, Result):
-                    self._arrived.append(body)
+            receive_available(channel, self._keep_result)
         except (EOFError, OSError):
             return False
         return True
+
+    def _keep_result(self, body: Any) -> None:
+        if isinstance(body, Result):
+            self._arrived.append(body)
 
     def pump_reports(self) -> None:
         """Deliver the reports that have arrived (any thread; skipped while another thread

@@ -56,6 +56,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
@@ -185,6 +186,18 @@ class ProtocolError(CheckpointingException):
 # A request's payload for thousands of tensors can exceed the socket's default send buffer;
 # the send would then wait for the worker to be scheduled and drain it.
 _SEND_BUFFER = 4 << 20
+
+
+def receive_available(conn: Any, other: Callable[[Any], None]) -> None:
+    """Read, without blocking, every message that has arrived on ``conn`` (a channel or a
+    pipe): reports into the trainer's inbox (:mod:`._reports`), any other message to
+    ``other``. Raises ``EOFError``/``OSError`` once the connection is lost."""
+    while conn.poll(0):
+        message = conn.recv()
+        if isinstance(message, Report):
+            _reports.deliver(message.key, message.value)
+        else:
+            other(message)
 
 
 def widen_send_buffer(conn: Connection) -> None:
