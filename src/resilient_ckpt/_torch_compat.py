@@ -55,6 +55,15 @@ Private names held here ("tested with 2.13": the release CI runs; the package su
     Tested with 2.13 (CPU builds lack it: CI runs the fallback, and the private branch with
     a stand-in for it). Fallback: the current device only; a copy from another device then
     waits for that whole device (``async_ckpt/_copy.py``), slower but ordered.
+``torch.serialization._get_layout``, ``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``
+(:func:`dcp_metadata_globals`)
+    Names a DCP ``.metadata`` pickle asks for besides the public metadata classes: torch
+    pickles a ``torch.layout`` as a call of ``_get_layout`` and a ``TensorProperties``'s
+    memory format as that enum (plus ``_StorageInfo`` above). The restricted unpickler
+    (:mod:`resilient_ckpt._restricted_pickle`) allows exactly these. Tested with 2.4.1 to
+    2.13 (checkpoints written by each, ``tests/unit/test_restricted_pickle.py``). Fallback:
+    a name this torch lacks is simply not allowed, so a file naming it is refused (named
+    error) instead of loaded.
 ``torch.distributed._tensor`` (``DTensor``, ``Replicate``, ``Shard``, ``distribute_tensor``)
     Where torch 2.4 keeps the DTensor classes; the public ``torch.distributed.tensor`` path
     is used from 2.5 on (tested with 2.13, which takes the public path).
@@ -350,3 +359,22 @@ def cuda_devices_with_context() -> list[int]:
     if has_context is None:
         return [current]
     return sorted({current, *(d for d in range(torch.cuda.device_count()) if has_context(d))})
+
+
+def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """The private names a DCP ``.metadata`` pickle may ask for, by (module, name), as far as
+    this torch has them (see the module docstring)."""
+    import torch.serialization
+    from torch.distributed.checkpoint import metadata
+
+    found: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _storage_info_class(),
+        (__name__, "_StorageInfo"): _StorageInfo,
+    }
+    for module, name in (
+        (torch.serialization, "_get_layout"),
+        (metadata, "_MEM_FORMAT_ENCODING"),
+    ):
+        if hasattr(module, name):
+            found[(module.__name__, name)] = getattr(module, name)
+    return found

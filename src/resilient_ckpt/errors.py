@@ -17,6 +17,7 @@ costs about a second that this module (imported by every background worker) must
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -178,6 +179,21 @@ class CorruptCheckpointError(CheckpointingException):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class UnsafeCheckpointError(CheckpointingException, pickle.UnpicklingError):
+    """A checkpoint file asked for a global that its kind of file never holds.
+
+    Raised by the restricted unpickler (:mod:`resilient_ckpt._restricted_pickle`) instead of
+    importing or calling it: such a file is damaged, not a checkpoint of that kind, or built
+    to run code. ``path`` is the file and ``name`` the global (``"module.qualname"``). It is
+    also an ``UnpicklingError``, what ``torch.load(weights_only=True)`` raises for the same.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, name: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.name = name
 
 
 class SameMachineReplicationException(CheckpointingException):

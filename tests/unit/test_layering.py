@@ -40,6 +40,7 @@ LAYER_OF = {
     "_dist": BASE,
     "_checksum": BASE,
     "_torch_compat": BASE,
+    "_restricted_pickle": BASE,
     "utils": BASE,
     "storage": STORAGE,
     "async_ckpt": ASYNC,
