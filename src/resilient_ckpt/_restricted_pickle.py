@@ -94,17 +94,26 @@ class _Unpickler(pickle.Unpickler):
         )
 
 
-def load(file: IO[bytes], *, path: str, expect: type | tuple[type, ...] | None = None) -> Any:
+def load(
+    file: IO[bytes],
+    *,
+    path: str,
+    expect: type | tuple[type, ...] | None = None,
+    trusted: bool = False,
+) -> Any:
     """Unpickle ``file`` (read from its current position; ``path`` names it in errors),
     allowing only the globals of our and DCP's formats. With ``expect``, the object must be
-    an instance of it (a pickle of another kind is a named error)."""
+    an instance of it (a pickle of another kind is a named error). ``trusted=True`` allows
+    every global, as ``pickle.load`` does (the file can run code): for a caller whose user
+    said the file's origin is trusted; damaged files get the same named errors."""
+    unpickler = pickle.Unpickler(file) if trusted else _Unpickler(file, path)
     try:
-        value = _Unpickler(file, path).load()
+        value = unpickler.load()
     except (UnsafeCheckpointError, OSError):
         raise
     except (EOFError, pickle.UnpicklingError) as exc:
         at = _position(file)
-        if at == 0:
+        if at == 0 and _is_empty(file):
             raise CorruptCheckpointError(f"{path}: is empty", path=path) from None
         if isinstance(exc, EOFError) or "truncated" in str(exc):
             what = f"is truncated (its pickle ends early, at byte {at})"
@@ -126,9 +135,24 @@ def load(file: IO[bytes], *, path: str, expect: type | tuple[type, ...] | None =
     return value
 
 
-def loads(data: bytes, *, path: str, expect: type | tuple[type, ...] | None = None) -> Any:
+def loads(
+    data: bytes,
+    *,
+    path: str,
+    expect: type | tuple[type, ...] | None = None,
+    trusted: bool = False,
+) -> Any:
     """:func:`load` of bytes already read from ``path``."""
-    return load(io.BytesIO(data), path=path, expect=expect)
+    return load(io.BytesIO(data), path=path, expect=expect, trusted=trusted)
+
+
+def _is_empty(file: IO[bytes]) -> bool:
+    # Nothing consumed does not mean nothing there: reading from a buffered file, the
+    # unpickler peeks at a bad first byte without consuming it.
+    try:
+        return file.seek(0, io.SEEK_END) == 0
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _position(file: IO[bytes]) -> int:

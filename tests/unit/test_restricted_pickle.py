@@ -72,3 +72,20 @@ def test_damaged_files_get_named_errors(metadata_file, damage, message):
         _restricted_pickle.loads(data, path="ckpt/.metadata", expect=Metadata)
     assert info.value.path == "ckpt/.metadata"
     assert str(info.value).startswith("ckpt/.metadata: ")
+
+
+def test_garbage_in_a_file_is_not_called_empty(tmp_path):
+    # A buffered file: the unpickler peeks at a bad first byte without consuming it.
+    path = tmp_path / ".metadata"
+    path.write_bytes(b"\x13\x37" * 512)
+    with open(path, "rb") as f, pytest.raises(CorruptCheckpointError, match="not a pickle"):
+        _restricted_pickle.load(f, path=str(path))
+
+
+def test_trusted_loads_any_global_with_the_same_named_errors(tmp_path):
+    marker = tmp_path / "ran"
+    data = pickle.dumps(_RunsCode(str(marker)))
+    assert _restricted_pickle.loads(data, path="x", trusted=True) is None
+    assert marker.exists()
+    with pytest.raises(CorruptCheckpointError, match="x: is empty"):
+        _restricted_pickle.loads(b"", path="x", trusted=True)
