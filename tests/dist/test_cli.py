@@ -87,7 +87,11 @@ def test_inspect_shows_keys_shapes_dtypes(ckpts, capsys) -> None:
         tensors = {t["key"]: t for t in json.loads(out)}
         assert code == 0 and tensors["w"]["shape"] == [64, 32]
         assert tensors["b"]["dtype"] == "float64" and tensors["w"]["nbytes"] == 64 * 32 * 4
-    code, out = _run(capsys, "--json", "inspect", ckpts["local"])
+    # A local checkpoint's state is read by unpickling it in full: only with --trust.
+    code = main(["--json", "inspect", ckpts["local"]])
+    err = capsys.readouterr().err
+    assert code == 2 and "--trust" in err and err.count("\n") == 1
+    code, out = _run(capsys, "--json", "inspect", ckpts["local"], "--trust")
     keys = {t["key"] for t in json.loads(out)}
     assert code == 0 and {"rank0.model.w", "rank1.model.b"} <= keys
     code, text = _run(capsys, "inspect", ckpts["file"])
@@ -104,7 +108,9 @@ def test_convert_round_trips(ckpts, capsys, tmp_path) -> None:
     dcp.load(loaded, checkpoint_id=back)
     assert torch.equal(loaded["w"], _state(0)["w"])
     local_out = str(tmp_path / "local.pt")
-    assert _run(capsys, "convert", ckpts["local"], local_out)[0] == 0
+    assert _run(capsys, "convert", ckpts["local"], local_out)[0] == 2  # needs --trust
+    assert not os.path.exists(local_out)
+    assert _run(capsys, "convert", ckpts["local"], local_out, "--trust")[0] == 0
     merged = torch.load(local_out)
     assert torch.equal(merged["rank1"]["model"]["w"], _state(1)["w"])
     code = main(["convert", ckpts["torn"], str(tmp_path / "x.pt")])
@@ -167,8 +173,11 @@ def test_verify_tree_reports_each_checkpoint(ckpts, capsys, tmp_path) -> None:
     bad_file = str(tree / "broken.pt")
     with open(bad_file, "wb") as f:
         f.write(b"not a checkpoint")
-    code, text = _run(capsys, "verify", bad_file)
-    assert code == 1 and "FAILED" in text and "torch.load failed" in text
+    code = main(["verify", str(tree)])  # every checkpoint reported, the bad file named
+    captured = capsys.readouterr()
+    assert code == 2 and "FAILED" in captured.out and "3 checkpoint(s) checked" in captured.out
+    prefix = f"resilient-ckpt verify: error: {bad_file}: not a torch.save file"
+    assert captured.err.startswith(prefix) and captured.err.count("\n") == 1
 
 
 def test_progress_counts_every_byte_verified(ckpts, tmp_path) -> None:
@@ -266,3 +275,18 @@ def test_bench_stall_leaves_out_the_flows_named_by_skip(capsys, tmp_path) -> Non
     assert [line[11:39].strip() for line in finalize] == ["ours torch", "ours local"], finalize
     assert all("median" in line and "longest" in line for line in finalize)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_local_copy_file_alone_is_checked_never_unpickled(ckpts, capsys, tmp_path) -> None:
+    session = _copy(ckpts["local"], tmp_path)
+    shard = os.path.join(session, "0", "iter_0000007_0_local.pt")
+    code, out = _run(capsys, "--json", "ls", shard, "--verify")
+    (entry,) = json.loads(out)
+    assert code == 0 and entry["kind"] == "local" and entry["complete"] and entry["verified"]
+    assert entry["checks"] == "crc32"
+    os.unlink(os.path.join(session, "0", "iter_0000007_0_local.manifest.json"))
+    code, out = _run(capsys, "--json", "ls", shard)
+    (entry,) = json.loads(out)
+    assert not entry["complete"] and "not committed" in entry["problems"][0]
+    code = main(["inspect", shard, "--trust"])
+    assert code == 2 and "not committed" in capsys.readouterr().err

@@ -10,21 +10,37 @@ other ``*.pt`` / ``*.pth`` file is a ``torch.save`` file.
 Listing and verification go through the storage backend of the path, so the same walk works
 on a local directory and on ``msc://<profile>/<prefix>``: one listing per level (with the
 sizes it carries), no per-file calls.
+
+**What is read, and how safely** (see :mod:`._trust`). Listing reads a DCP checkpoint's
+``.metadata`` (for its world size) and a memory tier's commit records, through the
+restricted unpickler, and looks at a ``torch.save`` file's zip directory or first bytes
+(no unpickling). A checkpoint whose commit record or file cannot be read that way is
+listed as *corrupt*, never complete, with the named error. ``verify``, ``inspect`` and
+``convert`` load user state with ``weights_only=True``; ``trusted=True`` (the command's
+``--trust``) unpickles in full.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointingException, ConfigurationError
+from ..errors import (
+    CheckpointingException,
+    ConfigurationError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.base import Listing, is_msc_url
 from ..storage.commit import RecordCommit, is_committed_listing
+from . import _trust
 
 Progress = Callable[[int], None]
 
@@ -51,9 +67,27 @@ class Entry:
     verified: bool | None = None
     problems: list[str] = field(default_factory=list)
     checks: str = ""  # as in Report, when verified
+    # A file that says what the checkpoint is could not be read: damaged (empty, cut
+    # short, garbage, of the wrong kind) or refused as unsafe. Never complete.
+    corrupt: bool = False
+    # The one-line named error of a file that could not be read at all (corrupt, or a
+    # torch file refused when verifying it); the command prints it and exits 2.
+    error: str = ""
+    exc: BaseException | None = field(default=None, repr=False)  # that error, for --debug
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _as_dict(self)
+
+    def mark_corrupt(self, exc: CheckpointingException) -> None:
+        self.complete, self.corrupt, self.error, self.exc = False, True, str(exc), exc
+        self.problems = [*self.problems, str(exc)]
+
+    def mark_refused(self, exc: CheckpointingException) -> None:
+        self.verified, self.problems, self.error, self.exc = False, [str(exc)], str(exc), exc
+
+
+def _as_dict(record: Any) -> dict[str, Any]:
+    return {f.name: getattr(record, f.name) for f in fields(record) if f.name != "exc"}
 
 
 @dataclass
@@ -66,9 +100,12 @@ class Report:
     # What was checked: "crc32" (every byte against the recorded checksums), "read" (no
     # checksums recorded, e.g. a plain dcp.save: sizes, then every item read back) or "load".
     checks: str = ""
+    corrupt: bool = False  # as in Entry
+    error: str = ""
+    exc: BaseException | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _as_dict(self)
 
 
 def _is_dcp_dir(path: str) -> bool:
@@ -87,24 +124,30 @@ def _iteration_of(path: str) -> int | None:
 
 
 def _dcp_entry(
-    path: str, listing: Listing, verify: bool, progress: Progress | None = None
+    path: str, listing: Listing, verify: bool, progress: Progress | None, trusted: bool
 ) -> Entry:
     complete = is_committed_listing(listing)
     nbytes = sum(listing.files.values())
     entry = Entry("dcp", path, _iteration_of(path), nbytes=nbytes, complete=complete)
     if complete:
-        entry.world_size = _dcp_world_size(path)
+        try:
+            entry.world_size = _dcp_world_size(read_dcp_metadata(path, trusted=trusted))
+        except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
+            entry.mark_corrupt(exc)
+            entry.verified = False if verify else None
+            return entry
+        except (OSError, CheckpointingException):
+            pass  # storage trouble: verify says more; listing goes on
     if verify:
-        report = verify_dcp(path, progress)
+        report = verify_dcp(path, progress, trusted=trusted)
         entry.verified, entry.problems, entry.checks = report.ok, report.problems, report.checks
+        entry.error, entry.exc = report.error, report.exc
+        if report.corrupt:
+            entry.complete, entry.corrupt = False, True
     return entry
 
 
-def _dcp_world_size(path: str) -> int | None:
-    try:
-        metadata = read_dcp_metadata(path)
-    except Exception:  # listing must not fail on one unreadable checkpoint
-        return None
+def _dcp_world_size(metadata: Any) -> int | None:
     ranks = set()
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", "")
@@ -113,18 +156,29 @@ def _dcp_world_size(path: str) -> int | None:
     return len(ranks) or None
 
 
-def read_dcp_metadata(path: str) -> Any:
-    """The unpickled ``.metadata`` of the DCP checkpoint at ``path`` (any backend)."""
-    import pickle
+def read_dcp_metadata(path: str, *, trusted: bool = False) -> Any:
+    """The unpickled ``.metadata`` of the DCP checkpoint at ``path`` (any backend), read by
+    the restricted unpickler unless ``trusted``; a damaged or refused file is a named error."""
+    from torch.distributed.checkpoint.metadata import Metadata
 
     backend = get_backend(path)
-    with backend.open_read(RecordCommit(backend, path).record_path) as f:
-        return pickle.load(f)
+    record = RecordCommit(backend, path).record_path
+    with backend.open_read(record) as f:
+        return _trust.load_pickle(f, path=record, trusted=trusted, expect=Metadata)
 
 
-def verify_dcp(path: str, progress: Progress | None = None) -> Report:
+def verify_dcp(path: str, progress: Progress | None = None, *, trusted: bool = False) -> Report:
+    """Check the committed DCP checkpoint at ``path``. Its ``.metadata`` is read here first,
+    restricted unless ``trusted``, before anything else unpickles it: a damaged or refused
+    one makes the report corrupt, with the named error."""
     from ..async_ckpt.verify import verify_checkpoint
 
+    try:
+        read_dcp_metadata(path, trusted=trusted)
+    except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
+        return Report("dcp", path, False, [str(exc)], corrupt=True, error=str(exc), exc=exc)
+    except (OSError, CheckpointingException):
+        pass  # missing or unreadable: verify_checkpoint says which
     try:
         result = verify_checkpoint(path, progress=progress)
     except CheckpointingException as exc:
@@ -137,7 +191,9 @@ def verify_dcp(path: str, progress: Progress | None = None) -> Report:
     from . import conversion
 
     try:
-        conversion.load_dcp(path, progress)
+        conversion.load_dcp(path, progress, trusted=trusted)
+    except UnsafeCheckpointError as exc:  # not damage: an item this load may not unpickle
+        return Report("dcp", path, False, [str(exc)], checks="read", error=str(exc), exc=exc)
     except BaseException as exc:  # CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -145,14 +201,18 @@ def verify_dcp(path: str, progress: Progress | None = None) -> Report:
     return Report("dcp", path, True, [], result.nbytes, checks="read")
 
 
-def discover(root: str, verify: bool = False, progress: Progress | None = None) -> list[Entry]:
+def discover(
+    root: str, verify: bool = False, progress: Progress | None = None, *, trusted: bool = False
+) -> list[Entry]:
+    """Every checkpoint at or under ``root``; with ``verify``, each one checked (user state
+    loaded safely unless ``trusted``)."""
     backend = get_backend(root)
     if not backend.exists(root):
         raise ConfigurationError(f"{root!r} does not exist")
     if not backend.is_dir(root):
-        return [_torch_entry(root, backend.size(root), verify, progress)]
+        return [_file_entry(root, backend.size(root), verify, progress, trusted)]
     entries: list[Entry] = []
-    _walk(backend, root, verify, progress, entries)
+    _walk(backend, root, verify, progress, trusted, entries)
     return sorted(entries, key=lambda e: (e.path, e.iteration or 0))
 
 
@@ -161,13 +221,14 @@ def _walk(
     path: str,
     verify: bool,
     progress: Progress | None,
+    trusted: bool,
     entries: list[Entry],
 ) -> None:
     listing = backend.scan(path)
     if _is_dcp_listing(listing):
-        entries.append(_dcp_entry(path, listing, verify, progress))
+        entries.append(_dcp_entry(path, listing, verify, progress, trusted))
         return
-    memory = _memory_entries(backend, path, verify, progress)
+    memory = _memory_entries(backend, path, verify, progress, trusted)
     if memory is not None:
         entries.extend(memory)
         return
@@ -178,21 +239,87 @@ def _walk(
     for name in sorted(listing.files):
         if name.endswith((".pt", ".pth")) and not name.startswith("."):
             full = backend.join(path, name)
-            entries.append(_torch_entry(full, listing.files[name], verify, progress))
+            entries.append(_file_entry(full, listing.files[name], verify, progress, trusted))
     for name in sorted(listing.dirs):
-        _walk(backend, backend.join(path, name), verify, progress, entries)
+        _walk(backend, backend.join(path, name), verify, progress, trusted, entries)
 
 
-def _torch_entry(path: str, nbytes: int, verify: bool, progress: Progress | None) -> Entry:
+def _file_entry(
+    path: str, nbytes: int, verify: bool, progress: Progress | None, trusted: bool
+) -> Entry:
+    from ..local._manifest import DATA, parse_name
+
+    parsed = parse_name(os.path.basename(path))
+    if parsed is not None and parsed[2] == DATA and not is_msc_url(path):
+        return _shard_entry(path, parsed[0], nbytes, verify, progress)
     entry = Entry("torch", path, _iteration_of(path), nbytes=nbytes)
+    problem = None if is_msc_url(path) else torch_file_problem(path)
+    if problem is not None:
+        entry.mark_corrupt(CorruptCheckpointError(f"{path}: {problem}", path=path))
+        entry.verified = False if verify else None
+        return entry
     if verify:
         entry.checks = "load"
         try:
-            _load_file(path, progress)
+            _load_file(path, progress, trusted=trusted)
             entry.verified = True
-        except Exception as exc:  # any load failure is a verification failure
-            entry.verified, entry.problems = False, [f"torch.load failed: {exc}"]
+        except CorruptCheckpointError as exc:
+            entry.mark_corrupt(exc)
+            entry.verified = False
+        except CheckpointingException as exc:  # refused: a global the safe load may not run
+            entry.mark_refused(exc)
     return entry
+
+
+def _shard_entry(
+    path: str, iteration: int, nbytes: int, verify: bool, progress: Progress | None
+) -> Entry:
+    """A local checkpoint copy file met on its own (not in a session directory): verified
+    by its checksums, never unpickled."""
+    from . import local_checkpoints
+
+    entry = Entry("local", path, iteration, nbytes=nbytes)
+    problem = local_checkpoints.shard_problem(path)
+    if problem is not None:
+        entry.complete, entry.problems = False, [problem]
+    if verify:
+        entry.checks = "crc32"
+        try:
+            local_checkpoints.verify_shard(path)
+            entry.verified = True
+        except CheckpointingException as exc:
+            entry.verified, entry.problems = False, [str(exc)]
+        if progress is not None:
+            progress(nbytes)
+    return entry
+
+
+# A torch.save file is a zip archive, or (the legacy format) starts with the pickle of this
+# magic number: with protocol 2 and later, a pickle starts with the byte 0x80.
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_HEADS = (b"\x80", *(pickle.dumps(_LEGACY_MAGIC, protocol=p)[:8] for p in (0, 1)))
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def torch_file_problem(path: str) -> str | None:
+    """What makes the local file at ``path`` no ``torch.save`` file, judged from its zip
+    directory or first bytes without unpickling anything; None when it may be one."""
+    if os.path.getsize(path) == 0:
+        return "is empty"
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(_ZIP_MAGIC):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError) as exc:
+            return f"is truncated or damaged: its zip directory cannot be read ({exc})"
+        if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+            return "is a zip archive but not a torch.save file (no data.pkl record)"
+        return None
+    if head.startswith(_LEGACY_HEADS):
+        return None
+    return "not a torch.save file (neither a zip archive nor torch's legacy format)"
 
 
 def _local_entries(
@@ -211,14 +338,15 @@ def _local_entries(
 
 
 def _memory_entries(
-    backend: StorageBackend, path: str, verify: bool, progress: Progress | None
+    backend: StorageBackend, path: str, verify: bool, progress: Progress | None, trusted: bool
 ) -> list[Entry] | None:
     from . import memory_tier
 
     # The memory tier is node-local RAM: plain paths only.
     if not isinstance(backend, PosixBackend) or not memory_tier.is_memory_root(path):
         return None
-    return _rows_as_entries("memory", path, verify, memory_tier.summarize(path, verify, progress))
+    rows = memory_tier.summarize(path, verify, progress, trusted=trusted)
+    return _rows_as_entries("memory", path, verify, rows)
 
 
 def total_bytes(path: str) -> int:
@@ -229,19 +357,28 @@ def total_bytes(path: str) -> int:
     return sum(e.nbytes for e in discover(path))
 
 
-def verify_all(path: str, progress: Progress | None = None) -> list[Report]:
+def verify_all(
+    path: str, progress: Progress | None = None, *, trusted: bool = False
+) -> list[Report]:
+    """A report for every checkpoint at or under ``path`` (user state loaded safely unless
+    ``trusted``)."""
     return [
         Report(
             e.kind,
             e.path,
             bool(e.verified) and e.complete,
-            # A memory-tier step says itself why it is incomplete (no commit record, or a
-            # data file without a valid copy).
-            e.problems if e.complete or e.kind == "memory" else ["not committed (incomplete)"],
+            # A memory-tier step and a corrupt checkpoint say themselves why they are
+            # incomplete (no commit record, a data file without a valid copy, the error).
+            e.problems
+            if e.complete or e.corrupt or e.kind == "memory"
+            else ["not committed (incomplete)"],
             e.nbytes,
             e.checks,
+            e.corrupt,
+            e.error,
+            e.exc,
         )
-        for e in discover(path, verify=True, progress=progress)
+        for e in discover(path, verify=True, progress=progress, trusted=trusted)
     ]
 
 
@@ -263,13 +400,18 @@ def _describe(key: str, value: Any, out: list[dict[str, Any]]) -> None:
             _describe(f"{key}.{i}" if key else str(i), v, out)
 
 
-def inspect(path: str) -> list[dict[str, Any]]:
+def inspect(path: str, *, trusted: bool = False) -> list[dict[str, Any]]:
+    """Every tensor's key, dtype, shape and size. A DCP checkpoint (or a memory tier) is
+    described from its metadata alone; a file or a local checkpoint is loaded, safely unless
+    ``trusted`` (a local checkpoint's state only when ``trusted``)."""
     out: list[dict[str, Any]] = []
     backend = get_backend(path)
     if _is_dcp_dir(path):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        metadata = read_dcp_metadata(path)
+        if not RecordCommit(backend, path).is_committed():
+            raise ConfigurationError(f"{path!r} is not committed (no .metadata); nothing to show")
+        metadata = read_dcp_metadata(path, trusted=trusted)
         for key, md in sorted(metadata.state_dict_metadata.items()):
             if isinstance(md, TensorStorageMetadata):
                 dtype = md.properties.dtype
@@ -285,42 +427,54 @@ def inspect(path: str) -> list[dict[str, Any]]:
                     }
                 )
         return out
-    if backend.exists(path) and not backend.is_dir(path):
-        _describe("", _load_file(path), out)
+    if not backend.exists(path):
+        raise ConfigurationError(f"{path!r} does not exist")
+    if not backend.is_dir(path):
+        _describe("", _load_file(path, trusted=trusted), out)
         return out
     from . import local_checkpoints, memory_tier
 
     if local_checkpoints.is_session_dir(path):
-        _describe("", local_checkpoints.load_iteration(path), out)
+        _describe("", local_checkpoints.load_iteration(path, trusted=trusted), out)
         return out
     if memory_tier.is_memory_root(path):
         # Every step directory's commit record is the global metadata: the newest will do.
-        return inspect(os.path.dirname(memory_tier.newest_metadata(path)))
-    raise ConfigurationError(
-        f"{path!r} is not a DCP checkpoint, a tiered checkpoint's memory tier, a local "
-        "checkpoint session or a checkpoint file"
+        newest = memory_tier.newest_metadata(path, trusted=trusted)
+        return inspect(os.path.dirname(newest), trusted=trusted)
+    raise not_a_checkpoint(path)
+
+
+def not_a_checkpoint(path: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path}: not a checkpoint (no DCP checkpoint, tiered memory tier or local checkpoint "
+        "session: a DCP checkpoint directory holds .metadata and __<rank>_<k>.distcp files)",
+        path=path,
     )
 
 
-def _load_file(path: str, progress: Progress | None = None) -> Any:
+def _load_file(path: str, progress: Progress | None = None, *, trusted: bool = False) -> Any:
     from ..local._manifest import parse_name
     from . import conversion, local_checkpoints
 
     if is_msc_url(path):
         backend = get_backend(path)
         with backend.open_read(path) as f:
-            return torch.load(f, map_location="cpu", weights_only=False)
+            return _trust.torch_load(f, path=path, trusted=trusted)
     if parse_name(os.path.basename(path)):
-        shard = local_checkpoints.load_shard(path)
+        shard = local_checkpoints.load_shard(path, trusted=trusted)
         if progress is not None:
             progress(os.path.getsize(path))
         return shard
-    return conversion.load_file(path, progress)
+    problem = torch_file_problem(path)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{path}: {problem}", path=path)
+    return conversion.load_file(path, progress, trusted=trusted)
 
 
-def convert(src: str, dst: str, progress: Progress | None = None) -> str:
+def convert(src: str, dst: str, progress: Progress | None = None, *, trusted: bool = False) -> str:
     """Convert ``src`` into ``dst``; returns what was done. ``progress`` gets byte counts
-    (read, then written: about twice the checkpoint's size in all)."""
+    (read, then written: about twice the checkpoint's size in all). What is read is loaded
+    safely unless ``trusted`` (a local checkpoint only when ``trusted``)."""
     from . import conversion
 
     if is_msc_url(src) or is_msc_url(dst):
@@ -331,16 +485,16 @@ def convert(src: str, dst: str, progress: Progress | None = None) -> str:
     if os.path.isdir(src) and _is_dcp_dir(src):
         if not RecordCommit(get_backend(src), src).is_committed():
             raise ConfigurationError(f"{src!r} is not committed (no .metadata); nothing to convert")
-        conversion.dcp_to_torch(src, dst, progress)
+        conversion.dcp_to_torch(src, dst, progress, trusted=trusted)
         return "dcp -> torch.save"
     from ..local._manifest import parse_name
     from . import local_checkpoints
 
     if os.path.isfile(src) and parse_name(os.path.basename(src)):
-        conversion.save_file(_load_file(src, progress), dst, progress)
+        conversion.save_file(_load_file(src, progress, trusted=trusted), dst, progress)
         return "local shard -> torch.save"
     if os.path.isdir(src) and local_checkpoints.is_session_dir(src):
-        state = local_checkpoints.load_iteration(src, progress=progress)
+        state = local_checkpoints.load_iteration(src, progress=progress, trusted=trusted)
         conversion.save_file(state, dst, progress)
         return "local checkpoint (newest complete iteration, all ranks) -> torch.save"
     if os.path.isfile(src):
@@ -349,9 +503,14 @@ def convert(src: str, dst: str, progress: Progress | None = None) -> str:
                 f"destination {dst!r} exists and is not an empty directory; a DCP checkpoint "
                 "needs a directory of its own"
             )
-        conversion.torch_to_dcp(src, dst, progress)
+        problem = torch_file_problem(src)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{src}: {problem}", path=src)
+        conversion.torch_to_dcp(src, dst, progress, trusted=trusted)
         return "torch.save -> dcp"
-    raise ConfigurationError(f"{src!r} is neither a DCP checkpoint directory nor a file")
+    if os.path.isdir(src):
+        raise not_a_checkpoint(src)
+    raise ConfigurationError(f"{src!r} does not exist")
 
 
 def _rows_as_entries(kind: str, path: str, verify: bool, rows: list[dict[str, Any]]) -> list[Entry]:
@@ -368,6 +527,9 @@ def _rows_as_entries(kind: str, path: str, verify: bool, rows: list[dict[str, An
             r["verified"],
             r["problems"],
             checksum,
+            r.get("corrupt", False),
+            r.get("error", ""),
+            r.get("exception"),
         )
         for r in rows
     ]

@@ -2,6 +2,14 @@
 
 Argument parsing and the verbs; every verb is a thin layer over the other modules of this
 package (see its docstring).
+
+Errors are one line on stderr, ``resilient-ckpt <verb>: error: <what>``, where a file is
+at fault naming the file and what is wrong with it; ``--debug`` (before or after the verb)
+prints the traceback above it. Exit status 2 says a file could not be read at all (empty,
+cut short, garbage, of the wrong kind, a directory that is no checkpoint, or refused as
+unsafe: see ``--trust``) or the command line was wrong; 1 that a readable checkpoint failed
+verification or the work failed otherwise. ``ls`` and ``verify`` go on past such a file
+(it is listed as corrupt, the others are still listed and checked), then exit 2.
 """
 
 from __future__ import annotations
@@ -10,11 +18,15 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import CheckpointingException
-from . import bench, checkpoints
+from ..errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
+from . import _trust, bench, checkpoints
+
+# Exit statuses (see the module docstring).
+OK, FAILED, BAD_INPUT = 0, 1, 2
 
 
 def _emit(
@@ -53,6 +65,26 @@ def _progress_bar(args: argparse.Namespace, total: int, desc: str) -> Any:
     )
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _error(args: argparse.Namespace, text: str) -> None:
+    print(f"resilient-ckpt {args.command}: error: {_one_line(text)}", file=sys.stderr)
+
+
+Failure = tuple[str, BaseException | None]  # a named error's text, and the error (--debug)
+
+
+def _report_errors(args: argparse.Namespace, errors: Sequence[Failure], status: int) -> int:
+    """Print each named error of a file met along the way; BAD_INPUT if there was any."""
+    for text, exc in errors:
+        if args.debug and exc is not None:
+            traceback.print_exception(type(exc), exc, exc.__traceback__)
+        _error(args, text)
+    return BAD_INPUT if errors else status
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     if args.verify:
         total = sum(checkpoints.total_bytes(p) for p in args.paths)
@@ -60,10 +92,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             entries = [
                 e
                 for p in args.paths
-                for e in checkpoints.discover(p, verify=True, progress=bar.update)
+                for e in checkpoints.discover(
+                    p, verify=True, progress=bar.update, trusted=args.trust
+                )
             ]
     else:
-        entries = [e for p in args.paths for e in checkpoints.discover(p)]
+        entries = [e for p in args.paths for e in checkpoints.discover(p, trusted=args.trust)]
     rows = [
         [
             e.kind,
@@ -71,7 +105,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             e.iteration if e.iteration is not None else "-",
             e.world_size if e.world_size is not None else "-",
             checkpoints.human(e.nbytes),
-            "yes" if e.complete else "NO",
+            "CORRUPT" if e.corrupt else "yes" if e.complete else "NO",
             {True: "ok", False: "FAILED", None: "-"}[e.verified],
         ]
         for e in entries
@@ -84,7 +118,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     )
     if not entries and not args.json:
         print(f"no checkpoints under {' '.join(args.paths)}")
-    return 0
+    return _report_errors(args, [(e.error, e.exc) for e in entries if e.error], OK)
 
 
 _CHECKS = {
@@ -96,8 +130,15 @@ _CHECKS = {
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     total = sum(checkpoints.total_bytes(p) for p in args.paths)
+    reports: list[checkpoints.Report] = []
+    errors: list[Failure] = []
     with _progress_bar(args, total, "verifying") as bar:
-        reports = [r for p in args.paths for r in checkpoints.verify_all(p, progress=bar.update)]
+        for p in args.paths:
+            found = checkpoints.verify_all(p, progress=bar.update, trusted=args.trust)
+            if not found:
+                errors.append((str(checkpoints.not_a_checkpoint(p)), None))
+            reports.extend(found)
+            errors.extend((r.error, r.exc) for r in found if r.error)
     ok = all(r.ok for r in reports) and bool(reports)
     if args.json:
         _emit(args, {"ok": ok, "checkpoints": [r.as_dict() for r in reports]}, None)
@@ -107,16 +148,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"{status}  {r.kind:6s}  {r.path}  ({checkpoints.human(r.nbytes)}{checks})")
         for problem in r.problems:
             print(f"        - {problem}")
-    if not reports:
-        print(f"no checkpoint found at {' '.join(args.paths)}", file=sys.stderr)
-    elif not args.json:
+    if reports and not args.json:
         failed = sum(not r.ok for r in reports)
         print(f"{len(reports)} checkpoint(s) checked, {failed} failed")
-    return 0 if ok else 1
+    return _report_errors(args, errors, OK if ok else FAILED)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    tensors = checkpoints.inspect(args.path)
+    tensors = checkpoints.inspect(args.path, trusted=args.trust)
     rows = [
         [
             t["key"],
@@ -135,7 +174,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     total = 2 * checkpoints.total_bytes(args.src)  # read once, written once
     with _progress_bar(args, total, "converting") as bar:
-        kind = checkpoints.convert(args.src, args.dst, progress=bar.update)
+        kind = checkpoints.convert(args.src, args.dst, progress=bar.update, trusted=args.trust)
     nbytes = (
         sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(args.dst) for f in files)
         if os.path.isdir(args.dst)
@@ -174,6 +213,13 @@ def _common_options(parser: argparse.ArgumentParser, top: bool) -> None:
     parser.add_argument(
         "--no-progress", action="store_true", default=default, help="no progress bar"
     )
+    parser.add_argument(
+        "--debug", action="store_true", default=default, help="print the traceback of an error"
+    )
+
+
+def _trust_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trust", action="store_true", help=_trust.TRUST_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,16 +231,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("paths", nargs="+", metavar="path")
     p.add_argument("--verify", action="store_true", help="also re-read and check every file")
+    _trust_option(p)
     p.set_defaults(func=_cmd_ls)
     p = sub.add_parser("verify", help="re-read every part; non-zero exit on any problem")
     p.add_argument("paths", nargs="+", metavar="path")
+    _trust_option(p)
     p.set_defaults(func=_cmd_verify)
     p = sub.add_parser("inspect", help="tensor keys, shapes, dtypes and sizes")
     p.add_argument("path")
+    _trust_option(p)
     p.set_defaults(func=_cmd_inspect)
     p = sub.add_parser("convert", help="DCP or local checkpoint -> torch.save file, or back")
     p.add_argument("src")
     p.add_argument("dst")
+    _trust_option(p)
     p.set_defaults(func=_cmd_convert)
     p = sub.add_parser(
         "prune", help="delete all but the newest N committed DCP checkpoints below a root"
@@ -227,6 +277,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (CheckpointingException, FileNotFoundError) as exc:
-        print(f"resilient-ckpt {args.command}: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # every failure is one line; --debug shows where it came from
+        if args.debug:
+            traceback.print_exc()
+        _error(args, _describe_error(exc))
+        return _status_of(exc)
+
+
+def _describe_error(exc: Exception) -> str:
+    if isinstance(exc, CheckpointingException):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return f"{type(exc).__name__}: {exc} (unexpected: --debug shows where)"
+
+
+def _status_of(exc: Exception) -> int:
+    if isinstance(exc, (CorruptCheckpointError, UnsafeCheckpointError)):
+        return BAD_INPUT
+    return FAILED

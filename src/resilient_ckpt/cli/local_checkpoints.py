@@ -6,6 +6,10 @@ owner rank has at least one committed copy (data file + manifest, size as record
 holder (replicas count), and *verified* when every such copy's CRC-32 was re-read and
 matched. Works without a process group: it only reads files, through the storage backend
 of the path (listing and verification; loading a shard reads local files).
+
+Listing and verifying never unpickle anything (sizes and checksums of the bytes). Loading a
+shard's state unpickles its header in full (the local format has no restricted reader), so
+it is done only when the caller says the files are trusted (see :mod:`._trust`).
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointingException, ConfigurationError
+from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from ..local import _nvrx_format
 from ..local._format import check_against_manifest, deserialize, read_verified
 from ..local._manifest import DATA, MANIFEST, Manifest, file_name, parse_name
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.base import Listing
 from ..utils import preload_tensors
+from . import _trust
 
 _CHUNK = 8 << 20
 
@@ -150,20 +155,48 @@ def summarize(
     return records
 
 
-def load_shard(path: str) -> Any:
-    """The state dict stored in one local copy file, checked against its manifest (or, for a
-    file NVRx wrote, against the checksums inside it)."""
+def _manifest_path(path: str) -> str:
     parsed = parse_name(os.path.basename(path))
     if parsed is None or parsed[2] != DATA:
         raise ConfigurationError(f"{path!r} is not a local checkpoint file (iter_<n>_<r>_local.pt)")
-    manifest_path = os.path.join(os.path.dirname(path), file_name(parsed[0], parsed[1], MANIFEST))
-    if not os.path.exists(manifest_path) and _nvrx_format.is_nvrx_file(path):
-        # Written by NVRx: verified by the archive's own checksums (see local._nvrx_format).
-        state = deserialize(_nvrx_format.read_verified_nvrx(path))
-        return preload_tensors(getattr(state, "state_dict", state), non_blocking=False)
+    return os.path.join(os.path.dirname(path), file_name(parsed[0], parsed[1], MANIFEST))
+
+
+def shard_problem(path: str) -> str | None:
+    """Why one local copy file is not committed (no manifest, and not a file NVRx wrote),
+    from the file's name and first bytes; None if it is."""
+    manifest_path = _manifest_path(path)
+    if os.path.exists(manifest_path) or _nvrx_format.is_nvrx_file(path):
+        return None
+    return f"{path}: no manifest ({os.path.basename(manifest_path)} missing): not committed"
+
+
+def _verified_bytes(path: str) -> Any:
+    """One local copy file's bytes (a uint8 tensor), checked against its manifest (or, for
+    a file NVRx wrote, against the checksums inside it); nothing is unpickled."""
+    manifest_path = _manifest_path(path)
+    if not os.path.exists(manifest_path):
+        problem = shard_problem(path)
+        if problem is not None:
+            raise CorruptCheckpointError(problem, path=path)
+        # Written by NVRx: verified by the archive's own checksums (local._nvrx_format).
+        return _nvrx_format.read_verified_nvrx(path)
     with open(manifest_path, "rb") as f:
         manifest = Manifest.from_json(f.read(), manifest_path)
-    state = deserialize(read_verified(path, manifest.size, manifest.crc32))
+    return read_verified(path, manifest.size, manifest.crc32)
+
+
+def verify_shard(path: str) -> int:
+    """Check one local copy file's bytes (see :func:`_verified_bytes`); its size."""
+    return int(_verified_bytes(path).numel())
+
+
+def load_shard(path: str, *, trusted: bool = False) -> Any:
+    """The state dict stored in one local copy file, checked as :func:`verify_shard` does.
+    Unpickles the file in full: refused unless ``trusted``."""
+    if not trusted:
+        raise _trust.refuse_local(path)
+    state = deserialize(_verified_bytes(path))
     # The tensors view one shard buffer in several dtypes; give each its own storage so the
     # result can be handed to torch.save.
     return preload_tensors(getattr(state, "state_dict", state), non_blocking=False)
@@ -173,8 +206,13 @@ def load_iteration(
     session_dir: str,
     iteration: int | None = None,
     progress: Callable[[int], None] | None = None,
+    *,
+    trusted: bool = False,
 ) -> dict[str, Any]:
-    """{"rank<r>": state_dict} of one complete iteration (default: the newest), any copy."""
+    """{"rank<r>": state_dict} of one complete iteration (default: the newest), any copy.
+    Unpickles the shards in full: refused unless ``trusted``."""
+    if not trusted:
+        raise _trust.refuse_local(session_dir)
     complete = [r["iteration"] for r in summarize(session_dir, verify=False) if r["complete"]]
     if not complete:
         raise ConfigurationError(f"{session_dir!r} holds no complete local checkpoint")
@@ -185,7 +223,7 @@ def load_iteration(
         if copy.iteration != target or key in out or copy.problem:
             continue
         try:
-            out[key] = load_shard(copy.path)
+            out[key] = load_shard(copy.path, trusted=trusted)
         except CheckpointingException:
             continue
         if progress is not None:

@@ -12,22 +12,30 @@ size and CRC32). One step is one checkpoint, spread over the rank directories:
 
 The durable tier needs nothing of its own: each of its steps is a standard DCP checkpoint.
 Works without a process group; it only reads files (the memory tier is node-local, so
-plain paths).
+plain paths). Commit records are read by the restricted unpickler unless ``trusted`` (see
+:mod:`._trust`); a step whose every record is unreadable is *corrupt*, never complete.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from ..async_ckpt.filesystem_async import FILE_TABLE_ATTR
-from ..errors import ConfigurationError
+from ..errors import (
+    CheckpointingException,
+    ConfigurationError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from ..tiered._layout import METADATA_NAME, StepListing, scan_memory
+from . import _trust
 
 _CHUNK = 8 << 20
 
@@ -40,6 +48,9 @@ class MemoryStep:
     table: dict[str, tuple[int, int]] = field(default_factory=dict)
     world_size: int | None = None
     problems: list[str] = field(default_factory=list)
+    # The named error of a commit record that could not be read (damaged, or refused by
+    # the restricted unpickler), kept when no record of the step could be read.
+    error: CheckpointingException | None = None
 
     @property
     def nbytes(self) -> int:
@@ -56,16 +67,16 @@ def is_memory_root(path: str) -> bool:
     return bool(dirs) and all(d.isdigit() for d in dirs) and bool(scan_memory(path))
 
 
-def _read_table(metadata_path: str) -> tuple[dict[str, tuple[int, int]], int | None]:
+def _read_table(metadata_path: str, trusted: bool) -> tuple[dict[str, tuple[int, int]], int | None]:
     with open(metadata_path, "rb") as f:
-        metadata = pickle.load(f)
+        metadata = _trust.load_pickle(f, path=metadata_path, trusted=trusted, expect=Metadata)
     table = getattr(metadata, FILE_TABLE_ATTR, None) or {}
     files = {name: (int(s), int(c)) for name, (s, c) in dict(table.get("files", {})).items()}
     ranks = {name[2:].split("_", 1)[0] for name in files if name.startswith("__")}
     return files, len(ranks) or None
 
 
-def steps(memory_dir: str) -> list[MemoryStep]:
+def steps(memory_dir: str, *, trusted: bool = False) -> list[MemoryStep]:
     """Every step of the memory tier, newest last, with its commit record's file table."""
     by_step: dict[int, list[StepListing]] = defaultdict(list)
     for listing in scan_memory(memory_dir):
@@ -78,11 +89,15 @@ def steps(memory_dir: str) -> list[MemoryStep]:
                 continue
             path = os.path.join(listing.path, METADATA_NAME)
             try:
-                entry.table, table_ranks = _read_table(path)
+                entry.table, table_ranks = _read_table(path, trusted)
                 # A rank whose items were all deduplicated writes no file: count holders too.
                 entry.world_size = max(table_ranks or 0, len(entry.listings)) or None
                 entry.metadata_path = path
+                entry.error = None
                 break
+            except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
+                entry.problems.append(str(exc))
+                entry.error = entry.error or exc
             except Exception as exc:  # one unreadable record must not hide the others
                 entry.problems.append(f"{path}: unreadable commit record ({exc!r})")
         found.append(entry)
@@ -106,7 +121,8 @@ def check(
     """(complete, verified or None when not verifying, problems) of one step."""
     problems = list(entry.problems)
     if entry.metadata_path is None:
-        problems.append(f"step {entry.step}: no commit record in any rank directory")
+        if entry.error is None:
+            problems.append(f"step {entry.step}: no commit record in any rank directory")
         return False, False if verify else None, problems
     good: set[str] = set()
     for listing in entry.listings:
@@ -135,21 +151,32 @@ def check(
     return complete, verified, problems
 
 
-def newest_metadata(memory_dir: str) -> str:
-    """The commit record of the newest complete step (for ``inspect``)."""
-    for entry in reversed(steps(memory_dir)):
+def newest_metadata(memory_dir: str, *, trusted: bool = False) -> str:
+    """The commit record of the newest complete step (for ``inspect``); if there is none,
+    the named error of the newest unreadable record, if any."""
+    found = steps(memory_dir, trusted=trusted)
+    for entry in reversed(found):
         if entry.metadata_path is not None and check(entry, verify=False)[0]:
             return entry.metadata_path
+    for entry in reversed(found):
+        if entry.error is not None:
+            raise entry.error
     raise ConfigurationError(f"{memory_dir!r} holds no complete memory-tier checkpoint")
 
 
 def summarize(
-    memory_dir: str, verify: bool, progress: Callable[[int], None] | None = None
+    memory_dir: str,
+    verify: bool,
+    progress: Callable[[int], None] | None = None,
+    *,
+    trusted: bool = False,
 ) -> list[dict[str, Any]]:
-    """One record per step: world size, bytes (all copies), complete, verified, problems."""
+    """One record per step: world size, bytes (all copies), complete, verified, problems,
+    and whether it is corrupt (no commit record readable) with that named error."""
     records = []
-    for entry in steps(memory_dir):
+    for entry in steps(memory_dir, trusted=trusted):
         complete, verified, problems = check(entry, verify, progress)
+        corrupt = entry.metadata_path is None and entry.error is not None
         records.append(
             {
                 "iteration": entry.step,
@@ -158,6 +185,9 @@ def summarize(
                 "complete": complete,
                 "verified": verified,
                 "problems": problems,
+                "corrupt": corrupt,
+                "error": str(entry.error) if corrupt else "",
+                "exception": entry.error if corrupt else None,
             }
         )
     return records
