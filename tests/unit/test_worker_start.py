@@ -6,6 +6,7 @@ directory, as a new user would, with this checkout's package on its path.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import resilient_ckpt
+from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(resilient_ckpt.__file__)))
 
@@ -145,3 +147,37 @@ def test_a_main_function_of_an_unguarded_script_fails_with_the_guard_advice(tmp_
     assert "train.py" in done.stdout
     assert "cannot start a checkpoint worker of its own" in done.stdout
     assert "Guard the script's entry point" in done.stdout
+
+
+_PROBE = """
+import multiprocessing
+import sys
+
+def report(results):
+    process = multiprocessing.current_process()
+    results.put((sys.argv, process.name, process.daemon))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_the_worker_has_the_trainers_path_argv_and_authkey(tmp_path, monkeypatch) -> None:
+    """What spawn gave the worker, it still has: a module found only through a path the
+    trainer added at run time imports there, it sees the trainer's argv, and a
+    multiprocessing manager's proxy in a request connects (it needs the trainer's key)."""
+    (tmp_path / "rc_worker_probe.py").write_text(_PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["trainer.py", "--probe"])
+    import rc_worker_probe
+
+    manager = multiprocessing.get_context("spawn").Manager()
+    queue = AsyncCallsQueue(persistent=True, is_daemon=True)
+    try:
+        results = manager.Queue()
+        queue.schedule_async_request(AsyncRequest(rc_worker_probe.report, (results,), []))
+        assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0]
+        argv, name, daemon = results.get(timeout=30)
+    finally:
+        queue.close()
+        manager.shutdown()
+    assert argv == ["trainer.py", "--probe"]
+    assert name == "resilient_ckpt-worker-0" and daemon is True

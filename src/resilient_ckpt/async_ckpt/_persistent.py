@@ -259,6 +259,7 @@ class PersistentAsyncCaller(AsyncCaller):
                     name=f"resilient_ckpt-worker-{self.rank}",
                     argv=tuple(sys.argv),
                     main_module=_main_module.describe(),
+                    authkey=bytes(mp.current_process().authkey),
                 )
             )
             self._ready = False

@@ -108,6 +108,8 @@ class Setup:
     name: str
     argv: tuple[str, ...]
     main_module: MainModule
+    # The trainer's multiprocessing key: a manager's proxy in a request connects with it.
+    authkey: bytes
 
 
 @dataclass(frozen=True)
@@ -452,12 +454,14 @@ def main(conn: Connection) -> None:
 
 
 def _apply(setup: Setup) -> None:
-    """What a spawned worker inherited from its trainer: argv, process name and daemon
-    flag, the package's log level (and a handler, when nothing configured one)."""
+    """What a spawned worker inherited from its trainer: argv, process name, daemon flag
+    and authentication key, the package's log level (and a handler, when nothing
+    configured one)."""
     sys.argv[:] = setup.argv
     process = multiprocessing.current_process()
     process.name = setup.name
     process.daemon = setup.is_daemon
+    process.authkey = setup.authkey
     _main_module.set_description(setup.main_module)
     _logging.set_worker_identity(setup.rank)
     package_logger = logging.getLogger("resilient_ckpt")
