@@ -9,7 +9,7 @@ call of :func:`default_timeouts` so a test can change them with ``monkeypatch``.
 =====================================  ==========================================  =======
 variable                               meaning                                     default
 =====================================  ==========================================  =======
-RESILIENT_CKPT_WORKER_START_TIMEOUT    worker spawn + handshake                    120 s
+RESILIENT_CKPT_WORKER_START_TIMEOUT    worker start + handshake                    120 s
 RESILIENT_CKPT_FINALIZE_TIMEOUT        blocking wait for a request, all ranks      1800 s
 RESILIENT_CKPT_COLLECTIVE_TIMEOUT      the library's gloo group collectives        1800 s
 RESILIENT_CKPT_SHUTDOWN_TIMEOUT        close(): drain before terminate/kill        30 s

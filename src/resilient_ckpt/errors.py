@@ -54,6 +54,26 @@ class InvalidRequestError(CheckpointingException, ValueError):
     """An :class:`~resilient_ckpt.async_ckpt.core.AsyncRequest` cannot be executed as given."""
 
 
+class MainModuleError(InvalidRequestError):
+    """A request refers to a function or class of the trainer's ``__main__`` module that the
+    background worker cannot import (``qualname``: its name there, e.g. ``save_fn``).
+
+    Raised in the worker, so the trainer sees it inside the request's
+    :class:`AsyncCallFailedError`; the message says what to do.
+    """
+
+    def __init__(self, message: str, *, qualname: str = "") -> None:
+        super().__init__(message)
+        self.qualname = qualname
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_main_module_error, (str(self), self.qualname)
+
+
+def _rebuild_main_module_error(message: str, qualname: str) -> MainModuleError:
+    return MainModuleError(message, qualname=qualname)
+
+
 class FrozenRequestError(CheckpointingException, RuntimeError):
     """A finalize function was added to a frozen (already scheduled) request."""
 

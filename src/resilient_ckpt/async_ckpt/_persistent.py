@@ -1,12 +1,22 @@
-"""``PersistentAsyncCaller``: one spawned worker process per queue, reused for every save.
+"""``PersistentAsyncCaller``: one background worker process per queue, reused for every save.
 
 The trainer side of the protocol in :mod:`._worker`: the process, its connection, and the
 requests in flight.
 
-* **Start and handshake.** The worker is started with the ``spawn`` method (at warm-up or
-  by the first request) and is used once its ``Hello`` arrives within
-  ``timeouts.worker_start``. A worker that exits during start-up is reported with the hint
-  that a script must guard its entry point, since ``spawn`` re-imports the main module.
+* **Start.** The worker is a new interpreter (``subprocess``) that runs the bootstrap of
+  :mod:`._worker`, started at warm-up or by the first request, with this process's
+  interpreter options, standard streams (stdin excepted) and environment. It receives its
+  end of a ``multiprocessing`` socket pair by ``pass_fds`` and, over it, this process's
+  ``sys.path`` (so the user's modules and the library import as they do here) and its
+  :class:`~._worker.Setup`. Not ``multiprocessing``'s ``spawn``: spawn imports the trainer's
+  main module into the child, so a script without an ``if __name__ == "__main__":`` guard
+  (the first script a user writes, a ``python -c`` program, a notebook cell) ran its
+  training again in the worker and killed it. The worker imports the main module only for
+  a request that names one of its functions (:mod:`._main_module`). Spawn has no public
+  switch to skip that import; ``subprocess`` and a connection are public and as simple.
+* **Handshake.** The worker is used once its ``Hello`` arrives within
+  ``timeouts.worker_start``; one that exits first is reported with its exit code (its
+  traceback, if any, went to the shared standard error).
 * **Scheduling** stages the request into a shared-memory arena (:mod:`._staging`), attaches
   the arena to the worker once, and sends a ``Submit``.
 * **Results** are drained without blocking. ``Report`` messages (sent while a request runs,
@@ -14,9 +24,10 @@ requests in flight.
   awaited on another thread (the tiered manager's replicator), so the caller is also a
   *pump* through which that thread reads the channel, one reader at a time; a ``Result``
   read there waits for the trainer thread, which alone changes the caller's state.
-* **A dead worker** is noticed by its process sentinel or by EOF on the connection and is
-  reaped: every call in flight fails with a :class:`WorkerDiedError` naming the rank and
-  the exit code, and its arenas are freed. The next request starts a fresh worker.
+* **A dead worker** is noticed by its sentinel (a pipe whose only writer is the worker,
+  as ``multiprocessing`` makes one) or by EOF on the connection and is reaped: every call
+  in flight fails with a :class:`WorkerDiedError` naming the rank and the exit code, and
+  its arenas are freed. The next request starts a fresh worker.
 * **Shutdown escalates**: ``Shutdown`` after the queued requests (unless aborting), then
   SIGTERM, then SIGKILL.
 """
@@ -27,6 +38,8 @@ import functools
 import logging
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -41,9 +54,11 @@ from ..config import Timeouts, WorkerOptions
 from ..errors import (
     CheckpointingException,
     CheckpointTimeoutError,
+    ConfigurationError,
+    InvalidRequestError,
     WorkerDiedError,
 )
-from . import _reports, _worker
+from . import _main_module, _reports, _worker
 from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, AsyncRequest, LocalStatus, State, exit_description, failure_error
 from ._copy import DeviceOrder, check_copy_threads, make_side_streams, warm_threads
@@ -55,6 +70,7 @@ from ._worker import (
     DetachArena,
     Hello,
     Result,
+    Setup,
     Shutdown,
     Submit,
     receive_available,
@@ -63,10 +79,101 @@ from ._worker import (
 
 logger = get_logger(__name__)
 
-_MAIN_GUARD_HINT = (
-    "If the trainer is a script, protect its entry point with `if __name__ == '__main__':` "
-    "(the worker is started with the 'spawn' method, which re-imports the main module)."
+
+class WorkerProcess:
+    """The worker's process: what the caller uses of it, named as ``multiprocessing.Process``
+    names it (``sentinel``: readable once the process has exited)."""
+
+    def __init__(self, popen: subprocess.Popen, sentinel: int) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.sentinel = sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while running; else the exit status, ``-N`` when killed by signal ``N``."""
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        self._popen.terminate()  # a no-op once the process is reaped: never another pid
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+    def close(self) -> None:
+        """Release the sentinel (once the caller has forgotten the process)."""
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
+def _interpreter_options() -> list[str]:
+    """The options of this interpreter that a new one should share (as spawn passes them):
+    ``-O``, ``-B``, ``-E``, ``-s``, ``-S``, ``-I``, ``-P``, ``-W`` and ``-X``."""
+    options = ["-O"] * sys.flags.optimize
+    options += [opt for flag, opt in _FLAG_OPTIONS if getattr(sys.flags, flag, False)]
+    options += [f"-W{option}" for option in sys.warnoptions]
+    for key, value in sys._xoptions.items():  # documented in `sys`, despite the underscore
+        options.append(f"-X{key}" if value is True else f"-X{key}={value}")
+    return options
+
+
+_FLAG_OPTIONS = (
+    ("dont_write_bytecode", "-B"),
+    ("ignore_environment", "-E"),
+    ("no_user_site", "-s"),
+    ("no_site", "-S"),
+    ("isolated", "-I"),
+    ("safe_path", "-P"),
 )
+
+
+def _launch(setup: Setup) -> tuple[WorkerProcess, Channel]:
+    """Start a worker: a new interpreter running :data:`._worker.BOOTSTRAP`, with this
+    process's standard streams and environment; send it ``sys.path`` and ``setup``."""
+    if not sys.executable:
+        raise ConfigurationError(
+            "cannot start the checkpoint worker: sys.executable is empty (an embedded "
+            "interpreter); use AsyncCallsQueue(persistent=False)"
+        )
+    parent_conn, child_conn = mp.Pipe(duplex=True)
+    widen_send_buffer(parent_conn)
+    sentinel, child_end = os.pipe()  # EOF once the worker is gone (it holds child_end)
+    try:
+        popen = subprocess.Popen(
+            [
+                sys.executable,
+                *_interpreter_options(),
+                "-c",
+                _worker.BOOTSTRAP,
+                str(child_conn.fileno()),
+            ],
+            stdin=subprocess.DEVNULL,
+            pass_fds=(child_conn.fileno(), child_end),
+        )
+    except BaseException:
+        parent_conn.close()
+        os.close(sentinel)
+        raise
+    finally:
+        child_conn.close()
+        os.close(child_end)
+    channel = Channel(parent_conn)
+    try:
+        parent_conn.send(list(sys.path))  # read by the bootstrap: plain strings
+        channel.send(setup)
+    except OSError as exc:  # it died at once: the handshake reports its exit code
+        logger.debug("could not send the checkpoint worker its setup: %r", exc)
+    return WorkerProcess(popen, sentinel), channel
 
 
 def _complete_and_stage(
@@ -131,30 +238,30 @@ class PersistentAsyncCaller(AsyncCaller):
     # -- worker lifecycle -------------------------------------------------------------------
 
     def start(self, rank: int | None = None, wait_ready: bool = True) -> None:
-        """Spawn the worker (if not running); optionally wait for its handshake."""
+        """Start the worker (if not running); optionally wait for its handshake."""
         if self.process is None:
+            if _worker.in_worker():
+                raise InvalidRequestError(
+                    "a checkpoint worker cannot start a checkpoint worker of its own: the "
+                    "worker is running the trainer's main script (a request needs one of its "
+                    "functions) and the script starts checkpointing when it is imported"
+                )
             self.rank = rank if rank is not None else _dist.rank()
-            ctx = mp.get_context("spawn")
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
-            widen_send_buffer(parent_conn)
-            level = logging.getLogger("resilient_ckpt").getEffectiveLevel()
-            self.process = ctx.Process(
-                target=_worker.main,
-                args=(
-                    child_conn,
-                    os.getpid(),
-                    self.rank,
-                    level,
-                    self.cpu_priority,
-                    self.io_priority,
-                ),
-                daemon=self.is_daemon,
-                name=f"resilient_ckpt-worker-{self.rank}",
-            )
             self.start_time = time.monotonic()
-            self.process.start()
-            child_conn.close()
-            self._channel = Channel(parent_conn)
+            self.process, self._channel = _launch(
+                Setup(
+                    parent_pid=os.getpid(),
+                    rank=self.rank,
+                    log_level=logging.getLogger("resilient_ckpt").getEffectiveLevel(),
+                    cpu_priority=self.cpu_priority,
+                    io_priority=self.io_priority,
+                    is_daemon=self.is_daemon,
+                    name=f"resilient_ckpt-worker-{self.rank}",
+                    argv=tuple(sys.argv),
+                    main_module=_main_module.describe(),
+                    authkey=bytes(mp.current_process().authkey),
+                )
+            )
             self._ready = False
             self._attached.clear()
             self._start_deadline = time.monotonic() + self.timeouts.worker_start
@@ -197,7 +304,8 @@ class PersistentAsyncCaller(AsyncCaller):
             )
         raise WorkerDiedError(
             f"rank {self.rank}: checkpoint worker exited during start-up with "
-            f"{exit_description(code)}. {_MAIN_GUARD_HINT}",
+            f"{exit_description(code)}; its own error, if it printed one, is on this "
+            "process's standard error",
             exitcode=code,
         )
 
@@ -231,6 +339,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._channel.close()
             self._channel = None
             self._arrived.clear()
+        proc.close()
         self.process = None
         self._ready = False
 

@@ -11,7 +11,14 @@ This is the process side of :class:`._persistent.PersistentAsyncCaller`; the tra
   pickles) and the trainer raises it with the remote traceback as its cause. Shared-memory
   file descriptors travel out of band right after :class:`AttachArena` (``SCM_RIGHTS`` on the
   same socket), never inside a pickle.
-* **Requests run in order, on the main thread.** The worker is started with ``spawn``. A
+* **A fresh interpreter that runs this module, not the trainer's main module.** The
+  trainer starts ``python -c`` with a short bootstrap (:data:`BOOTSTRAP`) and one end of the
+  connection (see :mod:`._persistent` for why not ``spawn``). The bootstrap reads the
+  trainer's ``sys.path`` (plain strings: the library itself may be importable only through
+  it), imports this module and calls :func:`main`, which takes a :class:`Setup` (the
+  trainer's pid, rank, log level, priorities, ``argv`` and a description of its main
+  module, imported only by a request that needs it: :mod:`._main_module`).
+* **Requests run in order, on the main thread.** A
   receiver thread reads messages (so the trainer's sends never block on a busy worker) and
   hands requests to the main thread, which executes them one at a time: unstage the
   arguments from the arena, run ``preload_fn`` (its result replaces ``async_fn_args[1]``, as
@@ -31,6 +38,8 @@ This is the process side of :class:`._persistent.PersistentAsyncCaller`; the tra
 
 Conversation::
 
+    trainer -> worker    sys.path         once, to the bootstrap (a plain list of strings)
+    trainer -> worker    Setup            once, before anything else of the protocol
     worker  -> trainer   Hello            once, after start-up (the handshake)
     trainer -> worker    AttachArena+fd   once per staging arena the worker has not seen
     trainer -> worker    Submit           one per request, in call order
@@ -48,6 +57,7 @@ import enum
 import gc
 import itertools
 import logging
+import multiprocessing
 import os
 import queue
 import signal
@@ -64,7 +74,8 @@ from typing import Any, ClassVar
 from .. import _logging
 from .._logging import get_logger
 from ..errors import CheckpointingException
-from . import _reports
+from . import _main_module, _reports
+from ._main_module import MainModule
 
 logger = get_logger(__name__)
 
@@ -72,6 +83,7 @@ logger = get_logger(__name__)
 
 
 class Kind(enum.Enum):
+    SETUP = "setup"
     HELLO = "hello"
     ATTACH_ARENA = "attach_arena"
     DETACH_ARENA = "detach_arena"
@@ -79,6 +91,25 @@ class Kind(enum.Enum):
     RESULT = "result"
     REPORT = "report"
     SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the worker runs: what a spawned process would inherit besides its environment
+    (``is_daemon`` as ``multiprocessing``'s flag: a daemon process starts no children)."""
+
+    KIND: ClassVar[Kind] = Kind.SETUP
+    parent_pid: int
+    rank: int | None
+    log_level: int
+    cpu_priority: int | None
+    io_priority: int | None
+    is_daemon: bool
+    name: str
+    argv: tuple[str, ...]
+    main_module: MainModule
+    # The trainer's multiprocessing key: a manager's proxy in a request connects with it.
+    authkey: bytes
 
 
 @dataclass(frozen=True)
@@ -176,7 +207,7 @@ class Shutdown:
     KIND: ClassVar[Kind] = Kind.SHUTDOWN
 
 
-Body = Hello | AttachArena | DetachArena | Submit | Result | Report | Shutdown
+Body = Setup | Hello | AttachArena | DetachArena | Submit | Result | Report | Shutdown
 
 
 class ProtocolError(CheckpointingException):
@@ -372,29 +403,40 @@ def _execute(submit: Submit, arenas: dict[int, Any]) -> Result:
         return Result(submit.call_idx, RemoteFailure.from_exception(exc), timings)
 
 
-def main(
-    conn: Connection,
-    parent_pid: int,
-    rank: int | None,
-    log_level: int,
-    cpu_priority: int | None,
-    io_priority: int | None,
-) -> None:
-    """Entry point of the spawned worker process."""
-    arm_parent_death_signal(parent_pid)
-    start_parent_watchdog(parent_pid)
+# What the trainer runs with ``python -c <BOOTSTRAP> <fd>``: the trainer's sys.path before
+# any import of the library (empty entries, the ``-c`` program's current directory, dropped
+# first so that a file of the user's cannot shadow a standard module imported here).
+BOOTSTRAP = (
+    "import sys; sys.path[:] = [p for p in sys.path if p]; "
+    "from multiprocessing.connection import Connection; "
+    "conn = Connection(int(sys.argv[1])); sys.path[:] = conn.recv(); "
+    f"from {__name__} import main; main(conn)"
+)
+
+_in_worker = False
+
+
+def in_worker() -> bool:
+    """Whether this process is a checkpoint worker. It starts no worker of its own: one
+    would mean the worker imported a main script that starts checkpointing when imported."""
+    return _in_worker
+
+
+def main(conn: Connection) -> None:
+    """Entry point of the worker process (called by :data:`BOOTSTRAP`)."""
+    global _in_worker
+    _in_worker = True
+    channel = Channel(conn)
+    setup = channel.recv()
+    if not isinstance(setup, Setup):
+        raise ProtocolError(f"expected Setup first, got {type(setup).__name__}")
+    arm_parent_death_signal(setup.parent_pid)
+    start_parent_watchdog(setup.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _logging.set_worker_identity(rank)
-    package_logger = logging.getLogger("resilient_ckpt")
-    package_logger.setLevel(log_level)
-    if not package_logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        package_logger.addHandler(handler)
-    set_qos(cpu_priority, io_priority)
+    _apply(setup)
+    set_qos(setup.cpu_priority, setup.io_priority)
 
     widen_send_buffer(conn)  # a report (a rank's write results) is sent while writing
-    channel = Channel(conn)
     _reports.set_sink(lambda key, value: channel.send(Report(key, value)))
     arenas: dict[int, Any] = {}
     work: queue.Queue = queue.Queue()
@@ -407,10 +449,35 @@ def main(
     )
     receiver.start()
     gc.freeze()  # what start-up imported lives as long as the worker: never scan it
+    _serve(channel, arenas, work)
+    channel.close()
+
+
+def _apply(setup: Setup) -> None:
+    """What a spawned worker inherited from its trainer: argv, process name, daemon flag
+    and authentication key, the package's log level (and a handler, when nothing
+    configured one)."""
+    sys.argv[:] = setup.argv
+    process = multiprocessing.current_process()
+    process.name = setup.name
+    process.daemon = setup.is_daemon
+    process.authkey = setup.authkey
+    _main_module.set_description(setup.main_module)
+    _logging.set_worker_identity(setup.rank)
+    package_logger = logging.getLogger("resilient_ckpt")
+    package_logger.setLevel(setup.log_level)
+    if not package_logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
+
+
+def _serve(channel: Channel, arenas: dict[int, Any], work: queue.Queue) -> None:
+    """The main thread: run the requests in order until ``Shutdown``."""
     while True:
         item = work.get()
         if item is _STOP:
-            break
+            return
         if isinstance(item, DetachArena):
             arena = arenas.pop(item.arena_id, None)
             if arena is not None:
@@ -429,4 +496,3 @@ def main(
         # items of thousands of tensors) would block in send until it ended.
         gc.collect()
         gc.freeze()
-    channel.close()

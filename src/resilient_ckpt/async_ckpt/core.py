@@ -60,7 +60,7 @@ class AsyncCallsQueue:
     """Schedules :class:`AsyncRequest` objects and finalizes them across ranks.
 
     Args:
-        persistent: one long-lived spawned worker (True, default) or a fork per request.
+        persistent: one long-lived worker process (True, default) or a fork per request.
         is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode: passed to
             :class:`PersistentAsyncCaller`.
         timeouts: deadlines for every wait (default:
