@@ -32,6 +32,7 @@ from torch.distributed.checkpoint import CheckpointException
 from .errors import (
     AsyncCallFailedError,
     CheckpointingException,
+    CheckpointReadError,
     ConfigurationError,
     CorruptCheckpointError,
     RemoteExceptionError,
@@ -42,6 +43,7 @@ from .errors import (
 
 __all__ = [
     "RankAsyncCallFailedError",
+    "RankCheckpointReadError",
     "RankConfigurationError",
     "RankCorruptCheckpointError",
     "RankFailureError",
@@ -184,6 +186,14 @@ class RankStorageError(RankFailureError, StorageError):
     """Storage failed on some ranks (a ``StorageError`` and ``OSError`` on every rank)."""
 
 
+class RankCheckpointReadError(RankStorageError, CheckpointReadError):
+    """Some ranks could not read (or verify) a data file a load needed from them; each
+    failed rank's message names its file. Also a ``StorageError`` and ``OSError``."""
+
+    rank: int | None = None
+    path: str | None = None
+
+
 class RankCorruptCheckpointError(RankFailureError, CorruptCheckpointError):
     """A checkpoint failed verification on some ranks."""
 
@@ -205,6 +215,7 @@ class RankWorkerDiedError(RankFailureError, WorkerDiedError):
 
 _BY_CAUSE: dict[str, type[RankFailureError]] = {
     ConfigurationError.__name__: RankConfigurationError,
+    CheckpointReadError.__name__: RankCheckpointReadError,
     StorageError.__name__: RankStorageError,
     OSError.__name__: RankStorageError,  # a raw I/O error is a storage failure
     CorruptCheckpointError.__name__: RankCorruptCheckpointError,

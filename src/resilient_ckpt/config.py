@@ -36,6 +36,12 @@ RESILIENT_CKPT_MSC_SPOOL_DIR           where larger buffers spill (default: TMPD
 copies are loaded by mapping their files; 0 reads them into memory instead (see
 :mod:`resilient_ckpt.local._reader` for when that matters).
 
+:func:`read_once_enabled` reads ``RESILIENT_CKPT_READ_ONCE`` (default 1): a DCP load through
+the library's readers reads each stored byte range that several ranks need once, on one of
+them, and carries it to the others over the process group; 0 makes every rank read all it
+needs itself, as torch's reader does (see :mod:`resilient_ckpt.async_ckpt._read_once`). A
+reader's ``read_once=`` keyword overrides it.
+
 :func:`local_world_size` reads the launcher's ``LOCAL_WORLD_SIZE`` (ranks per node, set by
 ``torchrun``), which sizes the default replication jump of local checkpoints.
 
@@ -286,4 +292,18 @@ def local_load_mmap() -> bool:
         return False
     raise ConfigurationError(
         f"environment variable {_ENV_PREFIX}LOCAL_LOAD_MMAP={raw!r} must be 1 or 0"
+    )
+
+
+def read_once_enabled() -> bool:
+    """Whether DCP loads through the library's readers read each shared byte once (the
+    default); ``RESILIENT_CKPT_READ_ONCE=0`` turns it off."""
+    raw = os.environ.get(_ENV_PREFIX + "READ_ONCE", "1").strip().lower()
+    if raw in _TRUE or raw == "":
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(
+        f"environment variable {_ENV_PREFIX}READ_ONCE={raw!r} must be 1 (each stored byte read "
+        "once across ranks) or 0 (every rank reads all it needs)"
     )

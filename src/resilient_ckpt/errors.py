@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 _RANK_ERRORS = (
     "RankAsyncCallFailedError",
+    "RankCheckpointReadError",
     "RankConfigurationError",
     "RankCorruptCheckpointError",
     "RankFailureError",
@@ -258,6 +259,31 @@ class CheckpointWriteError(CheckpointingException):
 def _rebuild_write_error(
     cls: type[CheckpointWriteError], message: str, rank: int | None, path: str | None
 ) -> CheckpointWriteError:
+    return cls(message, rank=rank, path=path)
+
+
+class CheckpointReadError(StorageError):
+    """A rank could not read (or verify) a checkpoint data file that a load needed from it.
+
+    Raised by a read-once load (:mod:`resilient_ckpt.async_ckpt._read_once`) on the rank
+    that failed, then agreed across ranks: every rank raises
+    :class:`RankCheckpointReadError` naming the failed ranks, and each failed rank's
+    message names its file. ``rank`` is the failing rank, ``path`` the file (relative to
+    the checkpoint).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_read_error, (type(self), str(self), self.rank, self.path)
+
+
+def _rebuild_read_error(
+    cls: type[CheckpointReadError], message: str, rank: int | None, path: str | None
+) -> CheckpointReadError:
     return cls(message, rank=rank, path=path)
 
 

@@ -61,8 +61,9 @@ from .._torch_compat import REBUILD_TENSOR, has_stream_transforms, storage_type_
 from ..errors import CorruptCheckpointError
 from ..storage.base import get_backend, is_msc_url
 from ..storage.commit import COMMIT_RECORD
+from ._read_once import ReadOnceReader, bytes_read_by_rank
 
-__all__ = ["CachedMetadataFileSystemReader", "clear_metadata_cache"]
+__all__ = ["CachedMetadataFileSystemReader", "bytes_read_by_rank", "clear_metadata_cache"]
 
 _MAX_ENTRIES = 64
 
@@ -75,31 +76,55 @@ def _cache_dir(path: str | os.PathLike) -> str:
     return os.path.abspath(os.fspath(path))
 
 
-class CachedMetadataFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` is cached process-wide (see module doc).
+class CachedMetadataFileSystemReader(ReadOnceReader, FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` is cached process-wide (see module doc),
+    and whose loads read each stored byte once across ranks.
+
+    **Read once.** In a load over every rank of the job, an item (a byte range of a data
+    file; on an object store, a whole file) that several ranks need is read from storage by
+    one of them, chosen to spread the reading evenly, and carried to the others over the
+    process group: the library's gloo group, or NCCL when the destination tensors are on
+    CUDA and the default group is NCCL. Results, resharding included, are those of torch's
+    reader. A rank that fails to read makes every rank fail (``dcp.load`` raises torch's
+    ``CheckpointException``, its ``failures`` holding
+    :class:`~resilient_ckpt.errors.RankCheckpointReadError`), never wait. A load of one
+    process, or of a subgroup, reads as torch's reader does. The design note is
+    :mod:`resilient_ckpt.async_ckpt._read_once`.
 
     Args:
         path: checkpoint directory, or ``msc://<profile>/<path>``.
         cache_metadata: False reads the file every time (the plain reader's behaviour).
         thread_count: for object stores, how many data files are downloaded in parallel
-            ahead of their use (POSIX reads are torch's, unchanged).
+            ahead of their use (local files are mapped).
+        read_once: True shares reads across ranks, False has every rank read all it needs
+            (torch's behaviour); None (default) follows ``RESILIENT_CKPT_READ_ONCE``
+            (default on). The coordinator's setting decides for a load.
+
+    ``bytes_read`` is the data bytes this rank read from storage in its latest load;
+    :func:`bytes_read_by_rank` gathers every rank's (collective).
     """
 
     _metadata_cache: OrderedDict[_Key, Metadata] = OrderedDict()
     _lock = threading.Lock()
 
     def __init__(
-        self, path: str | os.PathLike, cache_metadata: bool = True, *, thread_count: int = 4
+        self,
+        path: str | os.PathLike,
+        cache_metadata: bool = True,
+        *,
+        thread_count: int = 4,
+        read_once: bool | None = None,
     ) -> None:
-        super().__init__(path=path)
+        super().__init__(path=path, read_once=read_once)
         self._cache_dir = _cache_dir(path) if cache_metadata else None
         self.thread_count = thread_count
         self._object_store: Any = None
+        self._mapped: dict[str, torch.Tensor] = {}
         if is_msc_url(path):
             from ..storage.dcp_fs import BackendFileSystem
 
             self._object_store = get_backend(str(path))
-            self._backend_fs = BackendFileSystem(self._object_store)
+            self._backend_fs = BackendFileSystem(self._object_store, on_read=self._count_read)
             self.fs = self._backend_fs  # type: ignore[assignment]  # torch's FileSystemBase
             self.path = str(path)  # type: ignore[assignment]
 
@@ -108,22 +133,47 @@ class CachedMetadataFileSystemReader(FileSystemReader):
         if checkpoint_id and self._cache_dir is not None:
             self._cache_dir = _cache_dir(checkpoint_id)
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def _read_alone(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._object_store is None:
             if has_stream_transforms(self.storage_data, plan.items):
-                return super().read_data(plan, planner)
+                # torch's reader reads each item's byte range
+                self._count_read(sum(self.storage_data[i.storage_index].length for i in plan.items))
+                return FileSystemReader.read_data(self, plan, planner)
             # Files mapped, each tensor copied once from the page cache into its target
             # (torch's reader copies each item into a fresh storage first).
             root = os.fspath(self.path)
             return read_items(
-                plan, planner, self.storage_data, lambda name: map_file(os.path.join(root, name))
+                plan,
+                planner,
+                self.storage_data,
+                lambda name: map_file(os.path.join(root, name)),
+                self._count_read,
             )
         names = dict.fromkeys(self.storage_data[i.storage_index].relative_path for i in plan.items)
-        paths = [self._backend_fs.concat_path(self.path, name) for name in names]
-        self._backend_fs.read_ahead(paths, self.thread_count)
+        self._begin_reads(list(names))
         try:
-            return super().read_data(plan, planner)
+            return FileSystemReader.read_data(self, plan, planner)
         finally:
+            self._release_files()
+
+    def _whole_files(self) -> bool:
+        return self._object_store is not None  # an object is downloaded whole
+
+    def _begin_reads(self, names: list[str]) -> None:
+        if self._object_store is not None:
+            paths = [self._backend_fs.concat_path(self.path, name) for name in names]
+            self._backend_fs.read_ahead(paths, self.thread_count)
+
+    def _file_bytes(self, name: str) -> torch.Tensor:
+        if self._object_store is not None:
+            return self._backend_fs.read_bytes(self._backend_fs.concat_path(self.path, name))
+        if name not in self._mapped:
+            self._mapped[name] = map_file(os.path.join(os.fspath(self.path), name))
+        return self._mapped[name]
+
+    def _release_files(self) -> None:
+        self._mapped.clear()
+        if self._object_store is not None:
             self._backend_fs.stop_read_ahead()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -369,9 +419,11 @@ def read_items(
     planner: LoadPlanner,
     storage_data: dict[Any, Any],
     file_bytes: Callable[[str], torch.Tensor],
+    on_read: Callable[[int], None] | None = None,
 ) -> Future[None]:
     """``StorageReader.read_data`` over whole files in memory: ``file_bytes(relative_path)``
     returns a file's bytes as a uint8 CPU tensor (mapped or read, verified by the caller).
+    ``on_read`` is told the length of each item taken from a file (what a mapped file reads).
     Items with stream transforms are not handled here (the caller uses torch's reader)."""
     per_file: dict[str, list[ReadItem]] = {}
     for read_item in plan.items:
@@ -381,23 +433,45 @@ def read_items(
     for relative_path, reqs in per_file.items():
         data = file_bytes(relative_path)
         for req in sorted(reqs, key=lambda r: storage_data[r.storage_index].offset):
-            info = storage_data[req.storage_index]
-            if info.offset + info.length > data.numel():
-                raise CorruptCheckpointError(
-                    f"{relative_path}: item {req.storage_index} ends at byte "
-                    f"{info.offset + info.length}, after the end of the file ({data.numel()})",
-                    path=relative_path,
-                )
-            piece = data[info.offset : info.offset + info.length]
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(byte_view(piece).tobytes()))
-                continue
-            target = planner.resolve_tensor(req).detach()
-            _copy_item(piece, req, target, relative_path)
-            planner.commit_tensor(req, target)
+            piece = item_piece(data, storage_data[req.storage_index], relative_path)
+            if on_read is not None:
+                on_read(piece.numel())
+            load_item(req, piece, planner, relative_path)
     done: Future[None] = Future()
     done.set_result(None)
     return done
+
+
+def item_piece(data: torch.Tensor, info: Any, relative_path: str) -> torch.Tensor:
+    """The stored bytes of one item (``info``: where DCP's metadata says it lies) within
+    ``data``, the bytes of its file."""
+    end = info.offset + info.length
+    if end > data.numel():
+        raise CorruptCheckpointError(
+            f"{relative_path}: an item ends at byte {end}, after the end of the file "
+            f"({data.numel()})",
+            path=relative_path,
+        )
+    return data[info.offset : end]
+
+
+def load_item(
+    req: ReadItem,
+    piece: torch.Tensor,
+    planner: LoadPlanner,
+    where: str,
+    target: torch.Tensor | None = None,
+) -> None:
+    """Hand the stored bytes of one item (``piece``, a uint8 CPU tensor) to the planner: a
+    bytes item as a stream, a tensor copied once into its target (``target`` when already
+    resolved, else ``planner.resolve_tensor``). ``where`` names the source in errors."""
+    if req.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(req, io.BytesIO(byte_view(piece).tobytes()))
+        return
+    if target is None:
+        target = planner.resolve_tensor(req).detach()
+    _copy_item(piece, req, target, where)
+    planner.commit_tensor(req, target)
 
 
 def _copy_item(piece: torch.Tensor, req: ReadItem, target: torch.Tensor, where: str) -> None:

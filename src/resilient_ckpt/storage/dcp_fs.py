@@ -11,6 +11,9 @@ load, :meth:`BackendFileSystem.read_ahead` starts downloading the plan's files, 
 order, on a few threads, keeping at most that many downloaded-but-unread files in memory;
 ``create_stream`` then hands out each downloaded buffer and starts the next download.
 
+Each object handed out for reading is counted whole (``on_read``): the backends download an
+object whole, so that is what a load read from storage.
+
 Rename is the one operation an object store lacks; readers never rename, and our writer
 commits without it (see :mod:`.msc`), so ``rename`` raises.
 """
@@ -19,11 +22,12 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from ..errors import StorageError
@@ -66,8 +70,12 @@ class _ReadAhead:
 class BackendFileSystem(FileSystemBase):
     """``FileSystemBase`` whose paths are backend paths (strings, e.g. ``msc://...``)."""
 
-    def __init__(self, backend: StorageBackend) -> None:
+    def __init__(
+        self, backend: StorageBackend, on_read: Callable[[int], None] | None = None
+    ) -> None:
         self.backend = backend
+        # Told the size of every object read (an object is downloaded whole): a load's count.
+        self.on_read = on_read
         self._read_ahead: _ReadAhead | None = None
 
     def read_ahead(self, paths: list[str], threads: int) -> None:
@@ -89,9 +97,11 @@ class BackendFileSystem(FileSystemBase):
             buffer = self._read_ahead.take(path) if self._read_ahead is not None else None
             if buffer is None:
                 with self.backend.open_read(path) as stream:
+                    self._count(stream)
                     yield stream
                 return
             try:
+                self._count(buffer)
                 yield buffer
             finally:
                 buffer.close()
@@ -100,6 +110,27 @@ class BackendFileSystem(FileSystemBase):
                 yield stream
         else:
             raise StorageError(f"unsupported stream mode {mode!r} for {path}")
+
+    def read_bytes(self, path: str) -> torch.Tensor:
+        """The whole object at ``path`` as a uint8 tensor (taken from the read-ahead when it
+        downloaded it)."""
+        with self.create_stream(path, "rb") as stream:
+            stream.seek(0, os.SEEK_END)
+            size = stream.tell()
+            stream.seek(0)
+            data = torch.empty(size, dtype=torch.uint8)
+            view: Any = data.numpy()
+            got = stream.readinto(memoryview(view)) if size else 0
+        if got != size:
+            raise StorageError(f"{path}: read {got} of its {size} bytes")
+        return data
+
+    def _count(self, stream: Any) -> None:
+        if self.on_read is None:
+            return
+        position = stream.tell()
+        self.on_read(stream.seek(0, os.SEEK_END) - position)
+        stream.seek(position)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return self.backend.join(str(path), suffix)

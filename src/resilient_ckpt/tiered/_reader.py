@@ -20,6 +20,13 @@ on its own node (``memory_dir`` is node-local). A memory-tier reader also gets t
 group: in ``read_data`` the files its plan needs and no local copy can serve are received
 from ranks that hold them (``_fetch``), checked against the same CRC-32. A file shared by
 several new ranks after resharding is checksummed by each of them.
+
+The durable tier is read once (:mod:`~..async_ckpt._read_once`): a data file that several
+ranks need is read and checksummed by one of them, which sends each of the others the items
+it needs, so a restore reads the shared file system or object store once, not once per
+replica. Its unit is the whole file, because a file is verified whole before any item of it
+is used. A file that fails its checksum on the rank that reads it fails the load on every
+rank (the next checkpoint is then tried), as it would if every rank had read it.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import io
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -40,6 +47,7 @@ from torch.futures import Future
 from .. import _checksum
 from .._logging import get_logger
 from .._torch_compat import has_stream_transforms
+from ..async_ckpt._read_once import ReadOnceReader
 from ..async_ckpt.cached_metadata_filesystem_reader import byte_view, read_items
 from ..errors import CorruptCheckpointError, StorageError
 from ..local._reader import check_against_manifest, read_verified
@@ -60,11 +68,13 @@ class LocatingFileSystem(FileSystemBase):
         candidates: dict[str, list[str]],
         table: dict[str, tuple[int, int]],
         backend: StorageBackend,
+        on_read: Callable[[int], None] | None = None,
     ) -> None:
         self.metadata = metadata  # the commit record's path, or its bytes
         self.candidates = candidates
         self.table = table
         self.backend = backend
+        self.on_read = on_read  # told the size of each copy read and verified
         self.used: dict[str, str] = {}  # file name -> the path (or "rank N") that served it
         self._verified: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -126,12 +136,18 @@ class LocatingFileSystem(FileSystemBase):
 
     def _read_checked(self, path: str, size: int, crc: int) -> torch.Tensor:
         if isinstance(self.backend, PosixBackend):
-            return read_verified(path, size, crc)
-        data = _read_all(self.backend, path)
-        check_against_manifest(path, len(data), _checksum.crc32(data), size, crc)
-        return (
-            torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        )
+            verified = read_verified(path, size, crc)
+        else:
+            data = _read_all(self.backend, path)
+            check_against_manifest(path, len(data), _checksum.crc32(data), size, crc)
+            verified = (
+                torch.frombuffer(data, dtype=torch.uint8)
+                if data
+                else torch.empty(0, dtype=torch.uint8)
+            )
+        if self.on_read is not None:
+            self.on_read(verified.numel())
+        return verified
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return os.path.join(os.fspath(path), suffix)
@@ -165,8 +181,18 @@ def _read_all(backend: StorageBackend, path: str) -> bytearray:
     return out
 
 
-class VerifyingReader(FileSystemReader):
-    """``FileSystemReader`` over a :class:`LocatingFileSystem` (see the module docstring)."""
+class VerifyingReader(ReadOnceReader, FileSystemReader):
+    """``FileSystemReader`` over a :class:`LocatingFileSystem` (see the module docstring).
+
+    A durable restore reads once across ranks (:mod:`~..async_ckpt._read_once`): each data
+    file that several ranks need is read and checksummed by one of them, which sends the
+    others the items they need; a rank whose file fails its checksum makes every rank fail
+    the load (``RankCheckpointReadError``), and the manager tries the next checkpoint.
+    ``read_once`` as the async reader's (None: ``RESILIENT_CKPT_READ_ONCE``). A memory-tier
+    reader (``exchange_group`` set) reads alone: its copies are in node-local memory, and
+    its own exchange carries only what a node lacks. ``bytes_read`` counts the files this
+    rank read (not those received).
+    """
 
     def __init__(
         self,
@@ -176,10 +202,13 @@ class VerifyingReader(FileSystemReader):
         table: dict[str, tuple[int, int]],
         *,
         exchange_group: Any = None,
+        read_once: bool | None = None,
     ) -> None:
-        super().__init__(checkpoint_id)
+        super().__init__(
+            checkpoint_id, read_once=False if exchange_group is not None else read_once
+        )
         self.fs = LocatingFileSystem(  # type: ignore[assignment]
-            metadata, candidates, table, get_backend(checkpoint_id)
+            metadata, candidates, table, get_backend(checkpoint_id), on_read=self._count_read
         )
         self.path = checkpoint_id
         # Memory tier: files this rank needs but cannot reach come from ranks that can.
@@ -189,12 +218,12 @@ class VerifyingReader(FileSystemReader):
         # dcp.load resets with its checkpoint_id argument (None here): keep our path.
         super().reset(None)
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def _read_alone(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Each file verified once, its tensors copied once into the targets, straight
         from the mapped copy (``read_items``); items with stream transforms go through
         torch's reader."""
         if has_stream_transforms(self.storage_data, plan.items):
-            return super().read_data(plan, planner)
+            return FileSystemReader.read_data(self, plan, planner)
         fs = cast(LocatingFileSystem, self.fs)
         if self.exchange_group is not None:
             needed = {self.storage_data[i.storage_index].relative_path for i in plan.items}
@@ -202,7 +231,16 @@ class VerifyingReader(FileSystemReader):
         try:
             return read_items(plan, planner, self.storage_data, fs.verified)
         finally:
-            fs.release()  # no mapping outlives the load (it would pin the files' pages)
+            self._release_files()
+
+    def _whole_files(self) -> bool:
+        return True  # a file is checksummed whole before any of its items is used
+
+    def _file_bytes(self, name: str) -> torch.Tensor:
+        return cast(LocatingFileSystem, self.fs).verified(name)
+
+    def _release_files(self) -> None:
+        cast(LocatingFileSystem, self.fs).release()  # no mapping outlives the load
 
 
 def read_metadata(path: str) -> Any:
