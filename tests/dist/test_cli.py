@@ -266,3 +266,31 @@ def test_bench_stall_leaves_out_the_flows_named_by_skip(capsys, tmp_path) -> Non
     assert [line[11:39].strip() for line in finalize] == ["ours torch", "ours local"], finalize
     assert all("median" in line and "longest" in line for line in finalize)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(150)
+def test_bench_markdown_tables_for_the_docs(capsys, tmp_path) -> None:
+    # The smallest stall run there is: one rank, the 2 MB shape, one repetition.
+    extra = ["--ranks", "1", "--shapes", "2M/64", "--reps", "1", "--warmups", "0"]
+    extra += ["--first-trials", "1", "--memory-saves", "0", "--gap-ms", "0"]
+    argv = ["bench", "--markdown", "--only", "stall", "--dir", str(tmp_path), "--", *extra]
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    lines = captured.out.splitlines()
+    assert lines[0] == f"Command: `resilient-ckpt {' '.join(argv)}`"
+    assert lines[2].startswith(f"Machine: {os.cpu_count()} CPUs") and "torch " in lines[2]
+    rows = {
+        cells[1]: cells
+        for line in lines
+        if line.startswith("| 2M/64")
+        for cells in [[c.strip() for c in line.strip()[1:-1].split("|")]]
+    }
+    ours = rows["ours torch"]  # case, figure, value, reference, ref value, ratio, target, peer
+    assert ours[3] == "memcpy" and ours[6] == "<= 3 ms + 2x" and ours[7] == "dcp.async_save"
+    value, copy = (float(ours[i].split()[0]) for i in (2, 4))  # ms, rounded to 0.01
+    assert float(ours[5].rstrip("x")) == pytest.approx(value / copy, rel=0.05, abs=0.01)
+    assert ours[8].endswith("x")
+    assert {"ours DCP", "ours local", "dcp.async_save", "ours torch, overlapped call"} <= set(rows)
+    assert "Stall per save at 1 ranks" in captured.err  # the printed tables, on stderr
+    assert os.listdir(tmp_path) == []
