@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 # Building a wheel and a virtual environment takes 30-90 s on the 2-core test machine, over
-# the suite's budget for it: run it on purpose (README, "Performance"). The bench command
+# the suite's budget for it: run it on purpose (CONTRIBUTING.md, "Tests"). The bench command
 # itself is exercised on every run by tests/dist/test_cli.py (from the editable install).
 pytestmark = [
     pytest.mark.dist,

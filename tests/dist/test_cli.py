@@ -290,3 +290,31 @@ def test_a_local_copy_file_alone_is_checked_never_unpickled(ckpts, capsys, tmp_p
     assert not entry["complete"] and "not committed" in entry["problems"][0]
     code = main(["inspect", shard, "--trust"])
     assert code == 2 and "not committed" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(150)
+def test_bench_markdown_tables_for_the_docs(capsys, tmp_path) -> None:
+    # The smallest stall run there is: one rank, the 2 MB shape, one repetition.
+    extra = ["--ranks", "1", "--shapes", "2M/64", "--reps", "1", "--warmups", "0"]
+    extra += ["--first-trials", "1", "--memory-saves", "0", "--gap-ms", "0"]
+    argv = ["bench", "--markdown", "--only", "stall", "--dir", str(tmp_path), "--", *extra]
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    lines = captured.out.splitlines()
+    assert lines[0] == f"Command: `resilient-ckpt {' '.join(argv)}`"
+    assert lines[2].startswith(f"Machine: {os.cpu_count()} CPUs") and "torch " in lines[2]
+    rows = {
+        cells[1]: cells
+        for line in lines
+        if line.startswith("| 2M/64")
+        for cells in [[c.strip() for c in line.strip()[1:-1].split("|")]]
+    }
+    ours = rows["ours torch"]  # case, figure, value, reference, ref value, ratio, target, peer
+    assert ours[3] == "memcpy" and ours[6] == "<= 3 ms + 2x" and ours[7] == "dcp.async_save"
+    value, copy = (float(ours[i].split()[0]) for i in (2, 4))  # ms, rounded to 0.01
+    assert float(ours[5].rstrip("x")) == pytest.approx(value / copy, rel=0.05, abs=0.01)
+    assert ours[8].endswith("x")
+    assert {"ours DCP", "ours local", "dcp.async_save", "ours torch, overlapped call"} <= set(rows)
+    assert "Stall per save at 1 ranks" in captured.err  # the printed tables, on stderr
+    assert os.listdir(tmp_path) == []

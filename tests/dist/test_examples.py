@@ -1,4 +1,5 @@
-"""The README's async DCP example runs as documented, and its checkpoints verify."""
+"""examples/async_dcp.py (the async DCP guide points to it) runs as its docstring says, and
+its checkpoints verify."""
 
 from __future__ import annotations
 

@@ -53,7 +53,14 @@ def test_a_failed_reference_is_reported_and_its_ratios_are_absent(capsys) -> Non
     assert rows and rows[0].rstrip().endswith("n/a")
     assert "dcp.async_save: failed, left out (256M/8: KeyError: <class 'type'>)" in out
     figures = record({"256M/8": _figures(with_dcp=False)}, 2).items
-    assert [f["label"] for f in figures] == ["ours DCP", "ours torch", "ours local"]
+    assert [f["label"] for f in figures] == [
+        "ours DCP",
+        "ours torch",
+        "ours local",
+        "ours DCP, overlapped call",
+        "ours torch, overlapped call",
+    ]
+    assert not any(f["peer"] for f in figures)  # no dcp.async_save to compare with
 
 
 def test_recorded_figures_carry_the_device_and_its_reference() -> None:
@@ -61,6 +68,19 @@ def test_recorded_figures_carry_the_device_and_its_reference() -> None:
     assert {f["reference"] for f in items} == {"D2H"}
     assert all(f["case"] == "2M/64 x 1 ranks (cuda)" for f in items)
     assert {f["reference"] for f in record({"2M/64": _figures()}, 2).items} == {"memcpy"}
+
+
+def test_recorded_figures_of_ours_carry_dcp_async_save_and_the_overlapped_calls() -> None:
+    items = {f["label"]: f for f in record({"64M/2000": _figures()}, 2).items}
+    torch_flow, call = items["ours torch"], items["ours torch, overlapped call"]
+    # 6 ms against a 2 ms memcpy and a 10 ms dcp.async_save (see _figures)
+    assert torch_flow["peer"] == "dcp.async_save"
+    assert torch_flow["peer_value"] == pytest.approx(0.010)
+    assert torch_flow["reference_value"] == pytest.approx(0.002)
+    assert torch_flow["target"] == "<= 1.5x"
+    assert items["dcp.async_save"]["peer"] is None  # the peer is not its own peer
+    assert call["value"] == 0.0005 and call["reference"] == "memcpy"
+    assert call["target"] == "<= 0.1x" and call["peer"] is None
 
 
 def test_a_reference_that_went_on_with_fresh_stagers_is_said_so(capsys) -> None:
@@ -84,6 +104,8 @@ def test_the_parallel_copy_is_a_reference_row_only_where_it_used_several_threads
         "ours torch",
         "ours local",
         "dcp.async_save",
+        "ours DCP, overlapped call",
+        "ours torch, overlapped call",
     }
     fig["memcpy threads|threads"] = 1.0  # one core per rank: nothing to show
     report({"256M/8": fig}, 2)

@@ -262,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     p.add_argument("--dir", help="directory on the storage to measure (default: a temp dir)")
     p.add_argument("--plot", metavar="PNG", help="draw stall and throughput against references")
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the figures as Markdown tables with the command and the machine",
+    )
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=bench.run)
     p = sub.add_parser("demo", help="what `make demo` runs (see `demo --help`)", add_help=False)

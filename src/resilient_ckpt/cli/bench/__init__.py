@@ -11,8 +11,9 @@ Each benchmark is a module of the package with a ``main(argv)`` that prints its 
 
 This module chooses the arguments (``--quick`` for a short run, ``--dir`` for the storage
 to measure), runs the benchmarks one after the other in this process (each spawns its ranks)
-and, with ``--plot``, hands the figures to :mod:`..bench_plot`. ``benchmarks/*.py`` of a
-checkout are thin wrappers around the same modules.
+and, with ``--plot``, hands the figures to :mod:`..bench_plot`; with ``--markdown`` it prints
+them as Markdown tables (:mod:`.markdown`) for the docs' performance page. ``benchmarks/*.py``
+of a checkout are thin wrappers around the same modules.
 """
 
 from __future__ import annotations
@@ -62,6 +63,21 @@ def _run_one(name: str, argv: list[str], out: Any) -> int:
     return int(code or 0)
 
 
+def command_line(args: argparse.Namespace) -> list[str]:
+    """The ``resilient-ckpt bench`` command that reproduces this run (for ``--markdown``)."""
+    argv = ["resilient-ckpt", "bench"]
+    if args.markdown:
+        argv.append("--markdown")
+    if args.quick:
+        argv.append("--quick")
+    if args.only:
+        argv += ["--only", args.only]
+    if args.dir is not None:
+        argv += ["--dir", args.dir]
+    extra = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    return argv + (["--", *extra] if extra else [])
+
+
 def run(args: argparse.Namespace) -> int:
     """``resilient-ckpt bench``: each benchmark in turn, tables printed, figures collected."""
     names = args.only.split(",") if args.only else DEFAULT_BENCHMARKS
@@ -76,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dir is not None and not os.path.isdir(args.dir):
         print(f"--dir {args.dir}: not a directory", file=sys.stderr)
         return 2
+    if args.json and args.markdown:
+        print("--json and --markdown both write stdout: choose one", file=sys.stderr)
+        return 2
     if args.plot:
         import importlib.util
 
@@ -83,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
             print("--plot needs matplotlib: pip install 'resilient-ckpt[plot]'", file=sys.stderr)
             return 2
     results = []
-    # With --json stdout carries only the JSON document; the tables go to stderr.
-    out = sys.stderr if args.json else sys.stdout
+    # With --json or --markdown stdout carries only that document; the tables go to stderr.
+    out = sys.stderr if args.json or args.markdown else sys.stdout
     with tempfile.TemporaryDirectory(prefix="rc_bench_json_") as tmp:
         for name in names:
             json_path = os.path.join(tmp, f"{name}.json")
@@ -106,4 +125,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"plotted {drawn} figures to {args.plot}", file=out)
     if args.json:
         print(json.dumps(results, indent=2))
+    if args.markdown:
+        from . import markdown
+
+        print(markdown.render(results, command_line(args)), end="")
     return 0

@@ -117,7 +117,9 @@ class Figures:
 
     Each figure is a measured value with the reference it is compared to in the printed
     table (same run, same bytes): ``metric`` is ``"stall"`` (seconds, lower is better) or
-    ``"throughput"`` (GB/s, higher is better); ``case`` says which size or world size.
+    ``"throughput"`` (GB/s, higher is better); ``case`` says which size or world size. A
+    figure may also name a *peer*, another implementation of the same save measured in the
+    same run (``dcp.async_save``), for a second ratio.
     """
 
     def __init__(self, benchmark: str) -> None:
@@ -133,6 +135,8 @@ class Figures:
         reference: str | None = None,
         reference_value: float | None = None,
         target: str = "",
+        peer: str | None = None,
+        peer_value: float | None = None,
     ) -> None:
         if metric not in ("stall", "throughput"):
             raise ValueError(f"metric must be 'stall' or 'throughput', got {metric!r}")
@@ -146,6 +150,8 @@ class Figures:
                 "reference": reference,
                 "reference_value": reference_value,
                 "target": target,
+                "peer": peer,
+                "peer_value": peer_value,
             }
         )
 

@@ -124,22 +124,42 @@ def report(
 
 
 def record(results: dict[str, dict[str, float]], ranks: int, device: str = "cpu") -> Figures:
-    """The stalls of the printed table, each against the reference of the same run (for
-    ``resilient-ckpt bench --plot``)."""
+    """The stalls of the printed table, each against the reference of the same run, ours also
+    against ``dcp.async_save`` where it ran, and the overlapped save calls (for
+    ``resilient-ckpt bench --plot`` and ``--markdown``)."""
     ref = REFERENCES[device][0]
     figures = Figures("stall")
     for shape, fig in results.items():
+        case = f"{shape} x {ranks} ranks" + (f" ({device})" if device != "cpu" else "")
+        copy, peer = fig["memcpy|stall"], fig.get("dcp.async_save|stall")
         for flow in ("ours DCP", "ours torch", "ours local", "dcp.async_save"):
             if f"{flow}|stall" not in fig:
                 continue
-            target = TARGETS[shape] if flow != "dcp.async_save" else ""
+            ours = flow != "dcp.async_save"
             figures.add(
                 "stall",
-                f"{shape} x {ranks} ranks" + (f" ({device})" if device != "cpu" else ""),
+                case,
                 flow,
                 fig[f"{flow}|stall"],
                 ref,
-                fig["memcpy|stall"],
-                target,
+                copy,
+                TARGETS[shape] if ours else "",
+                peer="dcp.async_save" if ours and peer else None,
+                peer_value=peer if ours else None,
             )
+        for flow, label in _OVERLAPPED.items():
+            if f"{flow}|stall" in fig:
+                target = "<= 0.1x" if flow.startswith("ours") else ""
+                figures.add("stall", case, label, fig[f"{flow}|stall"], ref, copy, target)
     return figures
+
+
+# The overlapped flows' save calls, as the figures name them.
+_OVERLAPPED = {
+    "ours DCP overlapped": "ours DCP, overlapped call",
+    "ours DCP overlapped+defer": "ours DCP, overlapped call, deferred planning",
+    "ours torch overlapped": "ours torch, overlapped call",
+    "ours local overlapped": "ours local, overlapped call",
+    "ours local overlapped+defer": "ours local, overlapped call, deferred planning",
+    "dcp.async_save overlapped": "dcp.async_save, overlapped call",
+}
