@@ -30,6 +30,7 @@ _RANK_ERRORS = (
     "RankCorruptCheckpointError",
     "RankFailureError",
     "RankStorageError",
+    "RankUnsafeCheckpointError",
     "RankWorkerDiedError",
 )
 

@@ -12,6 +12,13 @@ One ``stat`` per read is the price. The cache is process-wide, bounded (least re
 entries are dropped) and thread-safe. Each reader gets its own shallow copy whose
 ``storage_meta.load_id`` is its own, as the uncached reader would set it.
 
+**The metadata is never run.** ``.metadata`` is a pickle, and torch's ``FileSystemReader``
+unpickles it freely: a checkpoint from elsewhere (a download, a shared bucket) could run
+code on every rank that reads it. This reader (cached or not) unpickles it with
+:mod:`resilient_ckpt._restricted_pickle`, which allows DCP's metadata classes and nothing
+else, and names the file in a one-line error when it is refused, empty, truncated or not
+metadata at all.
+
 **Object stores.** An ``msc://<profile>/<path>`` checkpoint is read through the storage
 backend (:class:`~resilient_ckpt.storage.dcp_fs.BackendFileSystem`, with the backend's
 retries and parallel read-ahead of the data files); the metadata's identity is the object's
@@ -57,6 +64,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from .. import _restricted_pickle
 from .._torch_compat import REBUILD_TENSOR, has_stream_transforms, storage_type_dtypes
 from ..errors import CorruptCheckpointError
 from ..storage.base import get_backend, is_msc_url
@@ -127,18 +135,26 @@ class CachedMetadataFileSystemReader(FileSystemReader):
             self._backend_fs.stop_read_ahead()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._cache_dir is None:
-            return super().read_metadata(*args, **kwargs)
+        """The checkpoint's ``.metadata`` (``rank=`` names a rank's own, as torch's reader
+        takes it), read with the restricted unpickler: a file naming any global but those
+        of DCP's metadata is refused, never run (``UnsafeCheckpointError``), a damaged one
+        is a ``CorruptCheckpointError`` naming it."""
         rank = kwargs.get("rank")
         name = COMMIT_RECORD if rank is None else f"__{rank}{COMMIT_RECORD}"
+        if self._cache_dir is None:
+            path = self.fs.concat_path(self.path, name)
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _restricted_pickle.load(f, path=str(path), expect=Metadata)
+            return self._for_this_reader(metadata)
         if self._object_store is not None:
             return self._read_object_metadata(self._cache_dir, rank, name)
-        with open(os.path.join(self._cache_dir, name), "rb") as f:
+        path = os.path.join(self._cache_dir, name)
+        with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             key: _Key = (self._cache_dir, rank, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             metadata = self._lookup(key)
             if metadata is None:
-                metadata = pickle.load(f)
+                metadata = _restricted_pickle.load(f, path=path, expect=Metadata)
                 self._store(key, metadata)
         return self._for_this_reader(metadata)
 
@@ -148,7 +164,7 @@ class CachedMetadataFileSystemReader(FileSystemReader):
         metadata = self._lookup(key)
         if metadata is None:
             with self._object_store.open_read(path) as f:
-                metadata = pickle.load(f)
+                metadata = _restricted_pickle.load(f, path=path, expect=Metadata)
             self._store(key, metadata)
         return self._for_this_reader(metadata)
 
