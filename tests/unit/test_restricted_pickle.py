@@ -18,7 +18,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from resilient_ckpt import _restricted_pickle
+from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
+from tests._helpers import safe_globals
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +43,7 @@ def metadata_file(tmp_path):
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+        dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), **no_dist_kwargs(dcp.save))
     return tmp_path / "ckpt" / ".metadata"
 
 
@@ -124,7 +126,7 @@ def test_state_mode_allows_plain_values_given_classes_and_user_globals():
     data = pickle.dumps([_Setting("a")])
     got = _restricted_pickle.load_state(io.BytesIO(data), path="s", allowed=[_Setting])
     assert got == [_Setting("a")]
-    with torch.serialization.safe_globals([_Setting]):
+    with safe_globals([_Setting]):
         assert _restricted_pickle.load_state(io.BytesIO(data), path="s") == [_Setting("a")]
 
 

@@ -14,11 +14,13 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
+    WeightsOnlyLoadPlanner,
     clear_metadata_cache,
 )
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
@@ -27,6 +29,7 @@ from resilient_ckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from resilient_ckpt.tiered import _restore
 from resilient_ckpt.tiered._layout import scan_memory, step_name
 from resilient_ckpt.tiered._reader import VerifyingReader
+from tests._helpers import safe_globals
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -174,7 +177,7 @@ def test_user_marked_globals_extend_the_metadata_allow_list(tmp_path, good_metad
     clear_metadata_cache()
     with pytest.raises(UnsafeCheckpointError, match=r"Point"):
         _uncached(d)
-    with torch.serialization.safe_globals([Point]):
+    with safe_globals([Point]):
         loaded = CachedMetadataFileSystemReader(d, cache_metadata=False).read_metadata()
     assert loaded.planner_data == {"origin": Point(1, 2)}
 
@@ -198,6 +201,41 @@ def test_tiered_restore_treats_bad_records_as_unavailable(tmp_path, good_metadat
     assert f"{empty}: is empty" in warnings_text
 
 
+def test_weights_only_planner_refuses_code_in_values(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "ckpt"
+    _save({"w": torch.ones(3), "extra": {"hook": RunsCode(str(marker))}, "n": 4}, path)
+    target = {"w": torch.zeros(3), "extra": {"hook": None}, "n": 0}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(
+            target,
+            storage_reader=CachedMetadataFileSystemReader(str(path)),
+            planner=WeightsOnlyLoadPlanner(checkpoint=str(path)),
+            **no_dist_kwargs(dcp.load),
+        )
+    assert not marker.exists()
+    refused = _find(info.value, UnsafeCheckpointError)
+    assert refused is not None, info.value
+    assert refused.name == "posix.mkdir"
+    assert f"{path}: value 'extra.hook'" in str(refused)
+
+
+def test_weights_only_planner_loads_plain_and_allowed_values(tmp_path):
+    path = tmp_path / "ckpt"
+    state = {"w": torch.arange(4.0), "cfg": {"lr": 0.5, "names": ["a", "b"]}, "at": Point(3, 4)}
+    _save(state, path)
+    target = {"w": torch.zeros(4), "cfg": {"lr": 0.0, "names": []}, "at": None}
+    with safe_globals([Point]):
+        dcp.load(
+            target,
+            storage_reader=CachedMetadataFileSystemReader(str(path)),
+            planner=WeightsOnlyLoadPlanner(),
+            **no_dist_kwargs(dcp.load),
+        )
+    assert torch.equal(target["w"], state["w"])
+    assert target["cfg"] == state["cfg"] and target["at"] == Point(3, 4)
+
+
 def test_metadata_of_our_writer_reads_restricted(tmp_path):
     path = tmp_path / "ours"
     state = {"w": torch.ones(4, dtype=torch.bfloat16), "step": 9}
@@ -210,3 +248,17 @@ def test_metadata_of_our_writer_reads_restricted(tmp_path):
         == pickle.loads((path / ".metadata").read_bytes()).state_dict_metadata
     )
     assert verify_checkpoint(str(path)).checksummed
+
+
+def _find(exc: BaseException | None, cls: type) -> BaseException | None:
+    """``exc`` or the first exception of type ``cls`` among its causes and torch failures."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, cls):
+            return exc
+        for failure in getattr(exc, "failures", {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, cls):
+                return inner
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None

@@ -17,7 +17,9 @@ unpickles it freely: a checkpoint from elsewhere (a download, a shared bucket) c
 code on every rank that reads it. This reader (cached or not) unpickles it with
 :mod:`resilient_ckpt._restricted_pickle`, which allows DCP's metadata classes and nothing
 else, and names the file in a one-line error when it is refused, empty, truncated or not
-metadata at all.
+metadata at all. The non-tensor values of the state are a question of the planner, not of
+the reader: torch's default planner unpickles them freely, :class:`WeightsOnlyLoadPlanner`
+with ``torch.load(weights_only=True)``.
 
 **Object stores.** An ``msc://<profile>/<path>`` checkpoint is read through the storage
 backend (:class:`~resilient_ckpt.storage.dcp_fs.BackendFileSystem`, with the backend's
@@ -59,7 +61,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -70,7 +72,7 @@ from ..errors import CorruptCheckpointError
 from ..storage.base import get_backend, is_msc_url
 from ..storage.commit import COMMIT_RECORD
 
-__all__ = ["CachedMetadataFileSystemReader", "clear_metadata_cache"]
+__all__ = ["CachedMetadataFileSystemReader", "WeightsOnlyLoadPlanner", "clear_metadata_cache"]
 
 _MAX_ENTRIES = 64
 
@@ -207,6 +209,49 @@ class CachedMetadataFileSystemReader(FileSystemReader):
 def clear_metadata_cache(path: str | os.PathLike | None = None) -> None:
     """Forget cached metadata of ``path`` (or of every directory)."""
     CachedMetadataFileSystemReader.clear_metadata_cache(path)
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads a checkpoint's non-tensor values (the items DCP
+    stores with ``torch.save``: a step count, a config) with ``torch.load(weights_only=True)``.
+
+    torch's default planner loads them with ``weights_only=False``, so a value pickled by
+    whoever wrote the checkpoint runs its code on every rank that loads it. With this
+    planner a value naming a global that torch's ``weights_only`` does not allow (plain
+    containers, tensors, ``torch.Size``, dtypes, devices) nor the user marked safe
+    (``torch.serialization.add_safe_globals``, or inside ``safe_globals``) raises
+    :class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming the value and the global;
+    nothing is run. Tensors are loaded as ever (DCP's readers load them with
+    ``weights_only=True`` already). For a checkpoint of unknown origin::
+
+        dcp.load(
+            state_dict,
+            storage_reader=CachedMetadataFileSystemReader(path),  # .metadata never run
+            planner=WeightsOnlyLoadPlanner(checkpoint=path),
+        )
+
+    Args:
+        *args, **kwargs: those of ``DefaultLoadPlanner``.
+        checkpoint: what errors call the checkpoint (its path, say).
+    """
+
+    def __init__(self, *args: Any, checkpoint: str | os.PathLike | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.checkpoint = os.fspath(checkpoint) if checkpoint is not None else "checkpoint"
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = _restricted_pickle.torch_load(value, path=f"{self.checkpoint}: value {fqn!r}")
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = loaded
+            return
+        # The path of the value in the caller's nested state dict, whose containers all
+        # exist: the planner flattened that very state dict into these mappings.
+        *parents, last = self.mappings[fqn]
+        node: Any = self.original_state_dict
+        for key in parents:
+            node = node[key]
+        node[last] = loaded
 
 
 # -- data items from a file in memory --------------------------------------------------------
