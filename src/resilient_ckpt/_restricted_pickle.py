@@ -109,15 +109,10 @@ def _state_globals() -> dict[Global, Any]:
     return allowed
 
 
-def _user_allowed() -> dict[Global, Any]:
-    allowed: dict[Global, Any] = {}
-    for full_name, value in user_safe_globals().items():
-        module, _, name = full_name.rpartition(".")
-        allowed[(module, name)] = value
-    return allowed
-
-
 class _Unpickler(pickle.Unpickler):
+    """Resolves a global from ``allowed`` (by module and name), else from the globals the
+    user marked safe (by ``"module.qualname"``, as torch matches them, read at each load)."""
+
     def __init__(
         self, file: IO[bytes], path: str, allowed: Mapping[Global, Any], refusal: str
     ) -> None:
@@ -125,12 +120,18 @@ class _Unpickler(pickle.Unpickler):
         self._path = path
         self._allowed = allowed
         self._refusal = refusal
+        self._user: dict[str, Any] | None = None
 
     def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get((module, name))
+        if found is not None:
+            return found
+        if self._user is None:
+            self._user = user_safe_globals()
+        full = f"{module}.{name}"
         try:
-            return self._allowed[(module, name)]
+            return self._user[full]
         except KeyError:
-            full = f"{module}.{name}"
             raise UnsafeCheckpointError(
                 f"{self._path}: refused to load the global {full}: {self._refusal}; nothing "
                 f"was imported or run. {_HOW_TO_ALLOW.format(name=full)}",
@@ -197,8 +198,7 @@ def load(
     allowing only the globals of our and DCP's formats (and those the user marked safe).
     With ``expect``, the object must be an instance of it (a pickle of another kind is a
     named error)."""
-    allowed = {**_format_globals(), **_user_allowed()}
-    return _unpickle(cast(IO[bytes], file), path, allowed, _FORMAT_REFUSAL, expect)
+    return _unpickle(cast(IO[bytes], file), path, _format_globals(), _FORMAT_REFUSAL, expect)
 
 
 def loads(data: bytes, *, path: str, expect: type | tuple[type, ...] | None = None) -> Any:
@@ -222,7 +222,6 @@ def load_state(
     the same rules. ``refusal`` says, in a refused global's error, why it was refused."""
     table = dict(_state_globals())
     table.update({(c.__module__, c.__qualname__): c for c in allowed})
-    table.update(_user_allowed())
 
     def nested(payload: bytes) -> Any:
         if not isinstance(payload, (bytes, bytearray)):

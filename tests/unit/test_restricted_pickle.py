@@ -128,6 +128,15 @@ def test_state_mode_allows_plain_values_given_classes_and_user_globals():
     assert got == [_Setting("a")]
     with safe_globals([_Setting]):
         assert _restricted_pickle.load_state(io.BytesIO(data), path="s") == [_Setting("a")]
+    nested = pickle.dumps(_Outer.Inner(2))  # named by its qualified name, as torch names it
+    with safe_globals([_Outer.Inner]):
+        assert _restricted_pickle.load_state(io.BytesIO(nested), path="s") == _Outer.Inner(2)
+
+
+class _Outer:
+    @dataclasses.dataclass
+    class Inner:
+        n: int
 
 
 class _Spliced:
