@@ -3,9 +3,10 @@
 A pickle names the globals it needs and the unpickler imports and calls them, so loading
 a pickle from elsewhere runs whatever it names (``os.system`` included). The files read
 here (a DCP checkpoint's ``.metadata``, the tiered manager's commit records and file
-tables) hold plain data: DCP's metadata dataclasses, ``torch.Size``, dtypes and layouts,
-paths, and builtin containers. :func:`load` allows exactly those and refuses anything else
-with :class:`~resilient_ckpt.errors.UnsafeCheckpointError`, naming the file and the global,
+tables) hold plain data: DCP's metadata dataclasses (and the save plans a decentralized
+save keeps there), ``torch.Size``, dtypes and layouts, paths, and builtin containers.
+:func:`load` allows exactly those and refuses anything else with
+:class:`~resilient_ckpt.errors.UnsafeCheckpointError`, naming the file and the global,
 before anything is imported. Damaged files (empty, truncated, not a pickle, or a pickle
 of the wrong kind) raise :class:`~resilient_ckpt.errors.CorruptCheckpointError` naming the
 file and what is wrong with it.
@@ -73,7 +74,7 @@ def _plain() -> dict[Global, Any]:
 @functools.cache
 def _format_globals() -> dict[Global, Any]:
     """What DCP's ``.metadata`` and our commit records hold (see the module docstring)."""
-    from torch.distributed.checkpoint import metadata
+    from torch.distributed.checkpoint import metadata, planner
 
     allowed = dict(_plain())
     for cls in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath):
@@ -89,6 +90,11 @@ def _format_globals() -> dict[Global, Any]:
     ):
         if hasattr(metadata, name):
             allowed[(metadata.__name__, name)] = getattr(metadata, name)
+    # The local plans a decentralized save keeps in its metadata (``all_local_plans``: our
+    # writer's and Megatron's, to check the next save may reuse it): a SavePlan's types.
+    for name in ("BytesIOWriteData", "SavePlan", "TensorWriteData", "WriteItem", "WriteItemType"):
+        if hasattr(planner, name):
+            allowed[(planner.__name__, name)] = getattr(planner, name)
     allowed.update(dcp_metadata_globals())
     return allowed
 

@@ -366,6 +366,9 @@ def test_decentralized_planning_reuses_loaded_metadata(tmp_path) -> None:
     )
     loaded = dcp.FileSystemReader(str(tmp_path / "first")).read_metadata()
     assert len(loaded.all_local_plans) == 1
+    # the plans kept in the metadata are among what the restricted unpickler allows
+    restricted = CachedMetadataFileSystemReader(str(tmp_path / "first"), cache_metadata=False)
+    assert restricted.read_metadata().all_local_plans == loaded.all_local_plans
     cache = CheckpointMetadataCache()
     cache.set_cached_global_metadata(loaded)
     state["w1"].add_(5)
