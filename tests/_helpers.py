@@ -27,6 +27,24 @@ def torch_serial_layout() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def safe_globals(allowed: list[Any]) -> Iterator[None]:
+    """``torch.serialization.safe_globals`` where torch has it (2.5 and later); on 2.4 the
+    same by hand: ``add_safe_globals``, then the list as it was."""
+    scoped = getattr(torch.serialization, "safe_globals", None)
+    if scoped is not None:
+        with scoped(allowed):
+            yield
+        return
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals(allowed)
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
 def write_tensors(path: str, state: Any) -> None:
     torch.save(state, path)
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ._logging import get_logger
 from .config import default_timeouts
-from .errors import CheckpointingException, RemoteTraceback
+from .errors import CheckpointingException, RemoteTraceback, UnsafeCheckpointError
 
 logger = get_logger(__name__)
 
@@ -138,7 +138,9 @@ class RankFailure:
 
     ``kinds`` are the class names of the exception's MRO, most derived first (they choose
     the class every rank raises); ``traceback`` is where the error started, in the
-    background worker when it came from there; ``exitcode`` is set for a dead process.
+    background worker when it came from there; ``exitcode`` is set for a dead process;
+    ``path`` and ``global_name`` are a checkpoint file's error's ``path`` and (refused
+    global) ``name``, which every rank's error carries, from the first rank that had them.
     """
 
     rank: int
@@ -146,6 +148,8 @@ class RankFailure:
     message: str
     traceback: str
     exitcode: int | None = None
+    path: str | None = None
+    global_name: str | None = None
 
     @classmethod
     def of(cls, rank: int, exc: BaseException) -> RankFailure:
@@ -156,7 +160,17 @@ class RankFailure:
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         kinds = tuple(c.__name__ for c in type(exc).__mro__)
         exitcode = getattr(exc, "exitcode", None)
-        return cls(rank, kinds, f"{type(exc).__name__}: {exc}", tb, exitcode)
+        path = getattr(exc, "path", None) if isinstance(exc, CheckpointingException) else None
+        name = getattr(exc, "name", None) if isinstance(exc, UnsafeCheckpointError) else None
+        return cls(
+            rank,
+            kinds,
+            f"{type(exc).__name__}: {exc}",
+            tb,
+            exitcode,
+            path if isinstance(path, str) else None,
+            name if isinstance(name, str) else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -277,6 +291,11 @@ def _agreed_error(
     exitcodes = [f.exitcode for f in failures if f.exitcode is not None]
     if exitcodes:
         error.exitcode = exitcodes[0]  # type: ignore[attr-defined]
+    about_file = next((f for f in failures if f.path is not None), None)
+    if about_file is not None:
+        error.path = about_file.path  # type: ignore[attr-defined]
+        if about_file.global_name is not None:
+            error.name = about_file.global_name  # type: ignore[attr-defined]
     for name, value in details.items():
         setattr(error, name, value)
     return error

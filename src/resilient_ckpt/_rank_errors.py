@@ -38,6 +38,7 @@ from .errors import (
     RemoteExceptionError,
     RemoteTraceback,
     StorageError,
+    UnsafeCheckpointError,
     WorkerDiedError,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "RankCorruptCheckpointError",
     "RankFailureError",
     "RankStorageError",
+    "RankUnsafeCheckpointError",
     "RankWorkerDiedError",
     "error_class_for",
     "from_checkpoint_exception",
@@ -200,6 +202,14 @@ class RankCorruptCheckpointError(RankFailureError, CorruptCheckpointError):
     path: str | None = None
 
 
+class RankUnsafeCheckpointError(RankFailureError, UnsafeCheckpointError):
+    """A checkpoint file asked for a global that was not allowed, on some ranks (nothing
+    was run); ``path`` and ``name`` are those of the first, where known."""
+
+    path: str | None = None
+    name: str = ""
+
+
 class RankAsyncCallFailedError(RankFailureError, AsyncCallFailedError):
     """An async request raised in the background on some ranks."""
 
@@ -219,6 +229,7 @@ _BY_CAUSE: dict[str, type[RankFailureError]] = {
     StorageError.__name__: RankStorageError,
     OSError.__name__: RankStorageError,  # a raw I/O error is a storage failure
     CorruptCheckpointError.__name__: RankCorruptCheckpointError,
+    UnsafeCheckpointError.__name__: RankUnsafeCheckpointError,
     AsyncCallFailedError.__name__: RankAsyncCallFailedError,
     WorkerDiedError.__name__: RankWorkerDiedError,
 }

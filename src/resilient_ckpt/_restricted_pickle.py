@@ -3,9 +3,10 @@
 A pickle names the globals it needs and the unpickler imports and calls them, so loading
 a pickle from elsewhere runs whatever it names (``os.system`` included). The files read
 here (a DCP checkpoint's ``.metadata``, the tiered manager's commit records and file
-tables) hold plain data: DCP's metadata dataclasses, ``torch.Size``, dtypes and layouts,
-paths, and builtin containers. :func:`load` allows exactly those and refuses anything else
-with :class:`~resilient_ckpt.errors.UnsafeCheckpointError`, naming the file and the global,
+tables) hold plain data: DCP's metadata dataclasses (and the save plans a decentralized
+save keeps there), ``torch.Size``, dtypes and layouts, paths, and builtin containers.
+:func:`load` allows exactly those and refuses anything else with
+:class:`~resilient_ckpt.errors.UnsafeCheckpointError`, naming the file and the global,
 before anything is imported. Damaged files (empty, truncated, not a pickle, or a pickle
 of the wrong kind) raise :class:`~resilient_ckpt.errors.CorruptCheckpointError` naming the
 file and what is wrong with it.
@@ -13,8 +14,17 @@ file and what is wrong with it.
 Decision: an allow-list by exact (module, name), resolved from objects this process has
 already imported, rather than torch's ``weights_only`` unpickler: that one is built for
 ``torch.save`` archives (it is not public for plain pickles), and its allow-list lacks
-DCP's metadata classes. User state from files of unknown origin is a different question,
-answered by ``torch.load(weights_only=True)`` (see :mod:`resilient_ckpt.cli`).
+DCP's metadata classes. The one extension point is torch's: a global the user marked safe
+with ``torch.serialization.add_safe_globals`` (or inside its ``safe_globals`` context) is
+allowed too, read at each load, so a user who trusts a file with a custom class in it
+allows that class the way ``torch.load(weights_only=True)`` would.
+
+User state is a second question. The managers' safe mode (``weights_only=True``) reads
+a local checkpoint's pickled state with :func:`load_state`: the same unpickler, allowing
+plain values (torch's default ``weights_only`` list: builtin containers, ``torch.device``
+and the like), the caller's format classes, and the user's safe globals; what a
+``torch.save`` archive holds goes through :func:`torch_load`, torch's own
+``weights_only`` load, whose refusals are turned into the same named error.
 """
 
 from __future__ import annotations
@@ -25,30 +35,48 @@ import functools
 import io
 import pathlib
 import pickle
-from typing import IO, Any
+import re
+from collections.abc import Iterable, Mapping
+from typing import IO, Any, cast
 
 import torch
 
+from ._torch_compat import dcp_metadata_globals, extra_safe_globals, user_safe_globals
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["load", "loads"]
+__all__ = ["load", "load_state", "loads", "torch_load"]
+
+Global = tuple[str, str]
 
 _BUILTINS = ("bool", "bytes", "dict", "float", "frozenset", "int", "list", "set", "str", "tuple")
 
+_HOW_TO_ALLOW = (
+    "If you trust the file and the global is harmless, allow it with "
+    "torch.serialization.add_safe_globals([{name}]) or within "
+    "torch.serialization.safe_globals([...])"
+)
+
 
 @functools.cache
-def _allowed() -> dict[tuple[str, str], Any]:
-    from torch.distributed.checkpoint import metadata
-
-    from ._torch_compat import dcp_metadata_globals
-
-    allowed: dict[tuple[str, str], Any] = {("builtins", n): getattr(builtins, n) for n in _BUILTINS}
+def _plain() -> dict[Global, Any]:
+    """Builtin containers and values, ``OrderedDict``, ``torch.Size``, dtypes, layouts and
+    memory formats: what every file read here may hold."""
+    allowed: dict[Global, Any] = {("builtins", n): getattr(builtins, n) for n in _BUILTINS}
     allowed[("collections", "OrderedDict")] = collections.OrderedDict
     allowed[("torch", "Size")] = torch.Size
     for name in dir(torch):
         value = getattr(torch, name, None)
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             allowed[("torch", name)] = value
+    return allowed
+
+
+@functools.cache
+def _format_globals() -> dict[Global, Any]:
+    """What DCP's ``.metadata`` and our commit records hold (see the module docstring)."""
+    from torch.distributed.checkpoint import metadata, planner
+
+    allowed = dict(_plain())
     for cls in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath):
         allowed[("pathlib", cls.__name__)] = cls
     for name in (
@@ -62,27 +90,59 @@ def _allowed() -> dict[tuple[str, str], Any]:
     ):
         if hasattr(metadata, name):
             allowed[(metadata.__name__, name)] = getattr(metadata, name)
+    # The local plans a decentralized save keeps in its metadata (``all_local_plans``: our
+    # writer's and Megatron's, to check the next save may reuse it): a SavePlan's types.
+    for name in ("BytesIOWriteData", "SavePlan", "TensorWriteData", "WriteItem", "WriteItemType"):
+        if hasattr(planner, name):
+            allowed[(planner.__name__, name)] = getattr(planner, name)
     allowed.update(dcp_metadata_globals())
     return allowed
 
 
+@functools.cache
+def _state_globals() -> dict[Global, Any]:
+    """Plain values a user's state holds, as torch's ``weights_only`` allows them by default
+    (tensors excepted: they are not in the pickles read here)."""
+    allowed = dict(_plain())
+    allowed.update(
+        {
+            ("builtins", "complex"): complex,
+            ("builtins", "bytearray"): bytearray,
+            ("collections", "Counter"): collections.Counter,
+            ("torch", "device"): torch.device,
+        }
+    )
+    return allowed
+
+
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: IO[bytes], path: str) -> None:
+    """Resolves a global from ``allowed`` (by module and name), else from the globals the
+    user marked safe (by ``"module.qualname"``, as torch matches them, read at each load)."""
+
+    def __init__(
+        self, file: IO[bytes], path: str, allowed: Mapping[Global, Any], refusal: str
+    ) -> None:
         super().__init__(file)
         self._path = path
+        self._allowed = allowed
+        self._refusal = refusal
+        self._user: dict[str, Any] | None = None
 
     def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get((module, name))
+        if found is not None:
+            return found
+        if self._user is None:
+            self._user = user_safe_globals()
+        full = f"{module}.{name}"
         try:
-            return _allowed()[(module, name)]
+            return self._user[full]
         except KeyError:
             raise UnsafeCheckpointError(
-                f"{self._path}: refused to load the global {module}.{name}: this kind of file "
-                "holds only DCP metadata, torch sizes, dtypes and builtin containers, so it is "
-                "damaged, not a checkpoint file of this kind, or built to run code; nothing "
-                "was imported or run. Load it only if you trust where it came from (the CLI's "
-                "--trust, trusted=True in the API)",
+                f"{self._path}: refused to load the global {full}: {self._refusal}; nothing "
+                f"was imported or run. {_HOW_TO_ALLOW.format(name=full)}",
                 path=self._path,
-                name=f"{module}.{name}",
+                name=full,
             ) from None
 
     def persistent_load(self, pid: Any) -> Any:
@@ -94,29 +154,32 @@ class _Unpickler(pickle.Unpickler):
         )
 
 
-def load(
+def _unpickle(
     file: IO[bytes],
-    *,
     path: str,
-    expect: type | tuple[type, ...] | None = None,
-    trusted: bool = False,
+    allowed: Mapping[Global, Any] | None,
+    refusal: str,
+    expect: type | tuple[type, ...] | None,
 ) -> Any:
-    """Unpickle ``file`` (read from its current position; ``path`` names it in errors),
-    allowing only the globals of our and DCP's formats. With ``expect``, the object must be
-    an instance of it (a pickle of another kind is a named error). ``trusted=True`` allows
-    every global, as ``pickle.load`` does (the file can run code): for a caller whose user
-    said the file's origin is trusted; damaged files get the same named errors."""
-    unpickler = pickle.Unpickler(file) if trusted else _Unpickler(file, path)
+    # ``allowed`` None: every global (the caller's user trusts the file's origin).
+    # Read whole first: these files are small, and only then is "empty" or "truncated" a
+    # fact about the file (the unpickler reads ahead of what it has consumed).
+    data = file.read()
+    if not data:
+        raise CorruptCheckpointError(f"{path}: is empty", path=path)
     try:
+        stream = io.BytesIO(data)
+        unpickler = (
+            pickle.Unpickler(stream)
+            if allowed is None
+            else _Unpickler(stream, path, allowed, refusal)
+        )
         value = unpickler.load()
-    except (UnsafeCheckpointError, OSError):
+    except (UnsafeCheckpointError, CorruptCheckpointError):
         raise
     except (EOFError, pickle.UnpicklingError) as exc:
-        at = _position(file)
-        if at == 0 and _is_empty(file):
-            raise CorruptCheckpointError(f"{path}: is empty", path=path) from None
         if isinstance(exc, EOFError) or "truncated" in str(exc):
-            what = f"is truncated (its pickle ends early, at byte {at})"
+            what = f"is truncated (its {len(data)} bytes end inside the pickle)"
             raise CorruptCheckpointError(f"{path}: {what}", path=path) from None
         raise CorruptCheckpointError(f"{path}: not a pickle ({exc})", path=path) from None
     except Exception as exc:
@@ -135,6 +198,29 @@ def load(
     return value
 
 
+_FORMAT_REFUSAL = (
+    "this kind of file holds only DCP metadata, torch sizes, dtypes and builtin containers, "
+    "so it is damaged, not a checkpoint file of this kind, or built to run code"
+)
+
+
+def load(
+    file: IO[bytes] | io.IOBase,
+    *,
+    path: str,
+    expect: type | tuple[type, ...] | None = None,
+    trusted: bool = False,
+) -> Any:
+    """Unpickle ``file`` (read from its current position; ``path`` names it in errors),
+    allowing only the globals of our and DCP's formats (and those the user marked safe).
+    With ``expect``, the object must be an instance of it (a pickle of another kind is a
+    named error). ``trusted=True`` allows every global, as ``pickle.load`` does (the file
+    can run code): for a caller whose user said the file's origin is trusted; damaged files
+    get the same named errors."""
+    allowed = None if trusted else _format_globals()
+    return _unpickle(cast(IO[bytes], file), path, allowed, _FORMAT_REFUSAL, expect)
+
+
 def loads(
     data: bytes,
     *,
@@ -146,17 +232,63 @@ def loads(
     return load(io.BytesIO(data), path=path, expect=expect, trusted=trusted)
 
 
-def _is_empty(file: IO[bytes]) -> bool:
-    # Nothing consumed does not mean nothing there: reading from a buffered file, the
-    # unpickler peeks at a bad first byte without consuming it.
-    try:
-        return file.seek(0, io.SEEK_END) == 0
-    except (OSError, ValueError, AttributeError):
-        return True
+def load_state(
+    file: IO[bytes],
+    *,
+    path: str,
+    allowed: Iterable[Any] = (),
+    refusal: str = "it is not a plain value, a class of this checkpoint format, nor a "
+    "global marked safe with torch.serialization.add_safe_globals",
+    expect: type | tuple[type, ...] | None = None,
+) -> Any:
+    """Unpickle a user's state saved in one of our formats, in safe mode: plain values
+    (see :func:`_state_globals`), the classes in ``allowed`` (the format's own, by their
+    module and qualified name) and the globals the user marked safe. A ``pickle.loads``
+    call in the file (how our formats splice parts pickled once) unpickles its payload under
+    the same rules. ``refusal`` says, in a refused global's error, why it was refused."""
+    table = dict(_state_globals())
+    table.update({(c.__module__, c.__qualname__): c for c in allowed})
+
+    def nested(payload: bytes) -> Any:
+        if not isinstance(payload, (bytes, bytearray)):
+            raise CorruptCheckpointError(f"{path}: a nested pickle that is not bytes", path=path)
+        return _unpickle(io.BytesIO(payload), path, table, refusal, None)
+
+    table[("_pickle", "loads")] = table[("pickle", "loads")] = nested
+    return _unpickle(file, path, table, refusal, expect)
 
 
-def _position(file: IO[bytes]) -> int:
+# How torch's weights_only unpickler names a global it refuses (torch 2.4 to 2.13: "GLOBAL
+# m.n was not an allowed global", "unsupported GLOBAL m.n whose module m is blocked").
+_TORCH_REFUSED = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def torch_load(
+    data: bytes | IO[bytes], *, path: str, allowed: Iterable[Any] = (), **kwargs: Any
+) -> Any:
+    """``torch.load(weights_only=True)`` of a ``torch.save`` archive, with the globals in
+    ``allowed`` (objects, or ``(object, "module.name")`` pairs as torch takes them) allowed
+    during this load besides the user's. A refused global is an
+    :class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming ``path`` and the global."""
+    stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     try:
-        return file.tell()
-    except (OSError, ValueError):
-        return -1
+        with extra_safe_globals(list(allowed)):
+            return torch.load(stream, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as exc:
+        found = _TORCH_REFUSED.search(str(exc))
+        name = found.group(1) if found else ""
+        what = f"the global {name}" if name else "an object"
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load {what} (torch.load with weights_only=True: "
+            f"{_first_line(exc)}); nothing was imported or run. "
+            + _HOW_TO_ALLOW.format(name=name or "...")
+            + ", or load with weights_only=False",
+            path=path,
+            name=name,
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    found = next((line for line in lines if _TORCH_REFUSED.search(line)), None)
+    return found or (lines[-1] if lines else type(exc).__name__)

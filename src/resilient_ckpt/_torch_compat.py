@@ -76,10 +76,11 @@ imported by the background worker, which must not pay for importing
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,6 +97,7 @@ __all__ = [
     "Shard",
     "cuda_devices_with_context",
     "distribute_tensor",
+    "extra_safe_globals",
     "has_stream_transforms",
     "is_sharded_tensor",
     "no_dist_kwargs",
@@ -104,6 +106,7 @@ __all__ = [
     "storage_info",
     "storage_prefix",
     "storage_type_dtypes",
+    "user_safe_globals",
     "validate_loaded_sparse_tensors",
     "write_item",
 ]
@@ -142,6 +145,41 @@ def no_dist_kwargs(dcp_call: Any) -> dict[str, bool]:
     process alone: ``no_dist=True`` where the call takes it (torch 2.6 and later); none
     before, where the call runs alone whenever no default process group is initialised."""
     return {"no_dist": True} if "no_dist" in inspect.signature(dcp_call).parameters else {}
+
+
+def user_safe_globals() -> dict[str, Any]:
+    """The globals the user marked safe for ``weights_only`` loads
+    (``torch.serialization.add_safe_globals``, or inside ``safe_globals``), by the
+    ``"module.qualname"`` a pickle names them with; read at each call."""
+    found: dict[str, Any] = {}
+    for entry in torch.serialization.get_safe_globals():
+        if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], str):
+            found[entry[1]] = entry[0]
+        else:
+            module = getattr(entry, "__module__", None)
+            name = getattr(entry, "__qualname__", None)
+            if module and name:
+                found[f"{module}.{name}"] = entry
+    return found
+
+
+@contextlib.contextmanager
+def extra_safe_globals(allowed: list[Any]) -> Iterator[None]:
+    """Allow ``allowed`` (objects, or ``(object, "module.name")`` pairs) in the
+    ``weights_only`` loads made inside: ``torch.serialization.safe_globals`` (torch 2.5 and
+    later). Torch 2.4 has no such context and allows an object by its own name only: there
+    the objects are added for good (they are this package's own harmless classes) and pairs
+    are dropped, so a file naming them is refused."""
+    if not allowed:
+        yield
+        return
+    scoped = getattr(torch.serialization, "safe_globals", None)
+    if scoped is not None:
+        with scoped(allowed):
+            yield
+        return
+    torch.serialization.add_safe_globals([g for g in allowed if not isinstance(g, tuple)])
+    yield
 
 
 # -- DCP data files ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ _RANK_ERRORS = (
     "RankCorruptCheckpointError",
     "RankFailureError",
     "RankStorageError",
+    "RankUnsafeCheckpointError",
     "RankWorkerDiedError",
 )
 

@@ -313,12 +313,13 @@ def test_cached_reader_is_invalidated_when_directory_is_rewritten(tmp_path, monk
 
     clear_metadata_cache()
     loads = []
-    real_load = reader_mod.pickle.load
-    monkeypatch.setattr(reader_mod.pickle, "load", lambda f: (loads.append(1), real_load(f))[1])
+    unpickler = reader_mod._restricted_pickle
+    real_load = unpickler.load
+    monkeypatch.setattr(unpickler, "load", lambda f, **kw: (loads.append(1), real_load(f, **kw))[1])
     path = tmp_path / "ck"
     first = {"a": torch.ones(4)}
     _save(first, path)
-    loads.clear()  # pickle is global: count only the reader's loads from here
+    loads.clear()  # count only the reader's loads from here
     for _ in range(3):
         target = {"a": torch.zeros(4)}
         dcp.load(target, storage_reader=CachedMetadataFileSystemReader(str(path)))
@@ -365,6 +366,9 @@ def test_decentralized_planning_reuses_loaded_metadata(tmp_path) -> None:
     )
     loaded = dcp.FileSystemReader(str(tmp_path / "first")).read_metadata()
     assert len(loaded.all_local_plans) == 1
+    # the plans kept in the metadata are among what the restricted unpickler allows
+    restricted = CachedMetadataFileSystemReader(str(tmp_path / "first"), cache_metadata=False)
+    assert restricted.read_metadata().all_local_plans == loaded.all_local_plans
     cache = CheckpointMetadataCache()
     cache.set_cached_global_metadata(loaded)
     state["w1"].add_(5)

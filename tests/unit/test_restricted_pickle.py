@@ -1,19 +1,26 @@
-"""The restricted unpickler: DCP metadata loads, anything naming another global is refused
-before it runs, and damaged files get named errors."""
+"""The restricted unpickler: DCP metadata loads (as every torch release from 2.4 to 2.13
+writes it: ``data/dcp_metadata``, made by its ``make.py``), anything naming another global
+is refused before it runs, and damaged files get named errors. Also its safe mode for user
+state (``load_state``) and the named errors of torch's ``weights_only`` load."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from resilient_ckpt import _restricted_pickle
+from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
+from tests._helpers import safe_globals
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +43,7 @@ def metadata_file(tmp_path):
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+        dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), **no_dist_kwargs(dcp.save))
     return tmp_path / "ckpt" / ".metadata"
 
 
@@ -89,3 +96,98 @@ def test_trusted_loads_any_global_with_the_same_named_errors(tmp_path):
     assert marker.exists()
     with pytest.raises(CorruptCheckpointError, match="x: is empty"):
         _restricted_pickle.loads(b"", path="x", trusted=True)
+
+
+FIXTURES = Path(__file__).parent / "data" / "dcp_metadata"
+
+
+def _fields(obj: object) -> dict:
+    """A dataclass's fields as present on the object (files of older torch releases lack
+    fields added since, which the class supplies as defaults or not at all)."""
+    return dict(vars(obj))
+
+
+def test_fixtures_cover_the_supported_torch_releases():
+    releases = {p.name for p in FIXTURES.glob("torch-*.metadata")}
+    assert {"torch-2.4.1.metadata", "torch-2.13.0.metadata"} <= releases, releases
+    assert len(releases) >= 4, releases
+
+
+@pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.glob("torch-*.metadata")))
+def test_reads_metadata_of_every_torch_release_as_pickle_does(fixture):
+    data = (FIXTURES / fixture).read_bytes()
+    got = _restricted_pickle.loads(data, path=fixture, expect=Metadata)
+    want = pickle.loads(data)
+    assert got.state_dict_metadata == want.state_dict_metadata
+    assert got.storage_data == want.storage_data
+    assert got.planner_data == want.planner_data
+    assert _fields(got.storage_meta) == _fields(want.storage_meta)
+    # what make.py saved: several dtypes, a channels_last tensor, nested and plain values
+    meta = got.state_dict_metadata
+    assert meta["bf16"].properties.dtype == torch.bfloat16
+    assert isinstance(meta["conv"].properties.memory_format, torch.memory_format)
+    assert meta["optim.state.exp_avg"].size == torch.Size([4, 3])
+    assert isinstance(meta["name"], BytesStorageMetadata)
+
+
+@dataclasses.dataclass
+class _Setting:
+    key: str
+
+
+def test_state_mode_allows_plain_values_given_classes_and_user_globals():
+    state = {"n": 3, "c": 1 + 2j, "dev": torch.device("cpu"), "b": bytearray(b"x"), "s": {1}}
+    assert _restricted_pickle.load_state(io.BytesIO(pickle.dumps(state)), path="s") == state
+    with pytest.raises(UnsafeCheckpointError, match=r"^s: refused to load the global .*_Setting"):
+        _restricted_pickle.load_state(io.BytesIO(pickle.dumps(_Setting("a"))), path="s")
+    data = pickle.dumps([_Setting("a")])
+    got = _restricted_pickle.load_state(io.BytesIO(data), path="s", allowed=[_Setting])
+    assert got == [_Setting("a")]
+    with safe_globals([_Setting]):
+        assert _restricted_pickle.load_state(io.BytesIO(data), path="s") == [_Setting("a")]
+    nested = pickle.dumps(_Outer.Inner(2))  # named by its qualified name, as torch names it
+    with safe_globals([_Outer.Inner]):
+        assert _restricted_pickle.load_state(io.BytesIO(nested), path="s") == _Outer.Inner(2)
+
+
+class _Outer:
+    @dataclasses.dataclass
+    class Inner:
+        n: int
+
+
+class _Spliced:
+    """Pickles as ``pickle.loads(payload)``, as the local format splices parts pickled once."""
+
+    def __init__(self, inner: object) -> None:
+        self.payload = pickle.dumps(inner)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return pickle.loads, (self.payload,)
+
+
+def test_state_mode_restricts_nested_pickles_too(tmp_path):
+    plain = pickle.dumps({"a": _Spliced([1, 2])})
+    assert _restricted_pickle.load_state(io.BytesIO(plain), path="p") == {"a": [1, 2]}
+    marker = tmp_path / "ran"
+    evil = pickle.dumps({"a": _Spliced(_RunsCode(str(marker)))})
+    with pytest.raises(UnsafeCheckpointError, match="posix.mkdir"):
+        _restricted_pickle.load_state(io.BytesIO(evil), path="p")
+    assert not marker.exists()
+    with pytest.raises(UnsafeCheckpointError):  # the format mode allows no nested pickle
+        _restricted_pickle.loads(plain, path="p")
+
+
+def test_torch_load_names_the_refused_global(tmp_path):
+    marker = tmp_path / "ran"
+    buffer = io.BytesIO()
+    torch.save({"x": _RunsCode(str(marker))}, buffer)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        _restricted_pickle.torch_load(buffer.getvalue(), path="f.pt")
+    assert not marker.exists()
+    assert info.value.name == "posix.mkdir" and info.value.path == "f.pt"
+    assert str(info.value).startswith("f.pt: refused to load the global posix.mkdir")
+    buffer = io.BytesIO()
+    torch.save({"x": _Setting("k"), "t": torch.ones(2)}, buffer)
+    got = _restricted_pickle.torch_load(buffer.getvalue(), path="f.pt", allowed=[_Setting])
+    assert got["x"] == _Setting("k") and torch.equal(got["t"], torch.ones(2))

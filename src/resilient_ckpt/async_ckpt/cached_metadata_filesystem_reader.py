@@ -12,6 +12,15 @@ One ``stat`` per read is the price. The cache is process-wide, bounded (least re
 entries are dropped) and thread-safe. Each reader gets its own shallow copy whose
 ``storage_meta.load_id`` is its own, as the uncached reader would set it.
 
+**The metadata is never run.** ``.metadata`` is a pickle, and torch's ``FileSystemReader``
+unpickles it freely: a checkpoint from elsewhere (a download, a shared bucket) could run
+code on every rank that reads it. This reader (cached or not) unpickles it with
+:mod:`resilient_ckpt._restricted_pickle`, which allows DCP's metadata classes and nothing
+else, and names the file in a one-line error when it is refused, empty, truncated or not
+metadata at all. The non-tensor values of the state are a question of the planner, not of
+the reader: torch's default planner unpickles them freely, :class:`WeightsOnlyLoadPlanner`
+with ``torch.load(weights_only=True)``.
+
 **Object stores.** An ``msc://<profile>/<path>`` checkpoint is read through the storage
 backend (:class:`~resilient_ckpt.storage.dcp_fs.BackendFileSystem`, with the backend's
 retries and parallel read-ahead of the data files); the metadata's identity is the object's
@@ -52,18 +61,24 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from .. import _restricted_pickle
 from .._torch_compat import REBUILD_TENSOR, has_stream_transforms, storage_type_dtypes
 from ..errors import CorruptCheckpointError
 from ..storage.base import get_backend, is_msc_url
 from ..storage.commit import COMMIT_RECORD
 from ._read_once import ReadOnceReader, bytes_read_by_rank
 
-__all__ = ["CachedMetadataFileSystemReader", "bytes_read_by_rank", "clear_metadata_cache"]
+__all__ = [
+    "CachedMetadataFileSystemReader",
+    "WeightsOnlyLoadPlanner",
+    "bytes_read_by_rank",
+    "clear_metadata_cache",
+]
 
 _MAX_ENTRIES = 64
 
@@ -177,18 +192,26 @@ class CachedMetadataFileSystemReader(ReadOnceReader, FileSystemReader):
             self._backend_fs.stop_read_ahead()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._cache_dir is None:
-            return super().read_metadata(*args, **kwargs)
+        """The checkpoint's ``.metadata`` (``rank=`` names a rank's own, as torch's reader
+        takes it), read with the restricted unpickler: a file naming any global but those
+        of DCP's metadata is refused, never run (``UnsafeCheckpointError``), a damaged one
+        is a ``CorruptCheckpointError`` naming it."""
         rank = kwargs.get("rank")
         name = COMMIT_RECORD if rank is None else f"__{rank}{COMMIT_RECORD}"
+        if self._cache_dir is None:
+            path = self.fs.concat_path(self.path, name)
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _restricted_pickle.load(f, path=str(path), expect=Metadata)
+            return self._for_this_reader(metadata)
         if self._object_store is not None:
             return self._read_object_metadata(self._cache_dir, rank, name)
-        with open(os.path.join(self._cache_dir, name), "rb") as f:
+        path = os.path.join(self._cache_dir, name)
+        with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             key: _Key = (self._cache_dir, rank, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             metadata = self._lookup(key)
             if metadata is None:
-                metadata = pickle.load(f)
+                metadata = _restricted_pickle.load(f, path=path, expect=Metadata)
                 self._store(key, metadata)
         return self._for_this_reader(metadata)
 
@@ -198,7 +221,7 @@ class CachedMetadataFileSystemReader(ReadOnceReader, FileSystemReader):
         metadata = self._lookup(key)
         if metadata is None:
             with self._object_store.open_read(path) as f:
-                metadata = pickle.load(f)
+                metadata = _restricted_pickle.load(f, path=path, expect=Metadata)
             self._store(key, metadata)
         return self._for_this_reader(metadata)
 
@@ -241,6 +264,49 @@ class CachedMetadataFileSystemReader(ReadOnceReader, FileSystemReader):
 def clear_metadata_cache(path: str | os.PathLike | None = None) -> None:
     """Forget cached metadata of ``path`` (or of every directory)."""
     CachedMetadataFileSystemReader.clear_metadata_cache(path)
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads a checkpoint's non-tensor values (the items DCP
+    stores with ``torch.save``: a step count, a config) with ``torch.load(weights_only=True)``.
+
+    torch's default planner loads them with ``weights_only=False``, so a value pickled by
+    whoever wrote the checkpoint runs its code on every rank that loads it. With this
+    planner a value naming a global that torch's ``weights_only`` does not allow (plain
+    containers, tensors, ``torch.Size``, dtypes, devices) nor the user marked safe
+    (``torch.serialization.add_safe_globals``, or inside ``safe_globals``) raises
+    :class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming the value and the global;
+    nothing is run. Tensors are loaded as ever (DCP's readers load them with
+    ``weights_only=True`` already). For a checkpoint of unknown origin::
+
+        dcp.load(
+            state_dict,
+            storage_reader=CachedMetadataFileSystemReader(path),  # .metadata never run
+            planner=WeightsOnlyLoadPlanner(checkpoint=path),
+        )
+
+    Args:
+        *args, **kwargs: those of ``DefaultLoadPlanner``.
+        checkpoint: what errors call the checkpoint (its path, say).
+    """
+
+    def __init__(self, *args: Any, checkpoint: str | os.PathLike | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.checkpoint = os.fspath(checkpoint) if checkpoint is not None else "checkpoint"
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = _restricted_pickle.torch_load(value, path=f"{self.checkpoint}: value {fqn!r}")
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = loaded
+            return
+        # The path of the value in the caller's nested state dict, whose containers all
+        # exist: the planner flattened that very state dict into these mappings.
+        *parents, last = self.mappings[fqn]
+        node: Any = self.original_state_dict
+        for key in parents:
+            node = node[key]
+        node[last] = loaded
 
 
 # -- data items from a file in memory --------------------------------------------------------

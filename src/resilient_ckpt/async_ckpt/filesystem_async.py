@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .. import _dist
+from .. import _dist, _restricted_pickle
 from .._logging import get_logger
 from .._rank_errors import local_failure as _wrap_exception
 from .._rank_errors import wrap_for_gather
@@ -558,9 +558,11 @@ class FileSystemWriterAsync(FileSystemWriter):
         logger.info("committed checkpoint %s", self.checkpoint_dir)
 
     def read_metadata(self) -> Metadata:
-        """The commit record of this writer's checkpoint, as written."""
-        with self._backend.open_read(self._commit().record_path) as f:
-            return pickle.load(f)
+        """The commit record of this writer's checkpoint, as written (restricted unpickling:
+        a record naming a global DCP's metadata never holds is refused, never run)."""
+        path = self._commit().record_path
+        with self._backend.open_read(path) as f:
+            return _restricted_pickle.load(f, path=path, expect=Metadata)  # type: ignore[no-any-return]
 
     # -- identity -----------------------------------------------------------------------------
 

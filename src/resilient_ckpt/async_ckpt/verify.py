@@ -4,18 +4,22 @@ The commit record ``.metadata`` written by :class:`FileSystemWriterAsync` carrie
 every data file's size and CRC32 (an extra attribute that ``dcp.load`` ignores), recorded
 while the files were written. :func:`verify_checkpoint` re-reads every file referenced by the
 metadata and compares. For checkpoints written by other DCP writers (no table) it checks
-what the metadata implies: each file exists and is long enough for its last item.
+what the metadata implies: each file exists and is long enough for its last item. The
+metadata is read with the restricted unpickler (:mod:`resilient_ckpt._restricted_pickle`):
+verifying a checkpoint from elsewhere never runs its code.
 
 All reads go through the storage backend, so this works wherever the writer can write.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .. import _restricted_pickle
 from .._checksum import crc32
 from ..errors import CorruptCheckpointError, StorageError
 from ..storage import StorageBackend, get_backend
@@ -40,7 +44,7 @@ class VerifiedCheckpoint:
         return sum(self.files.values())
 
 
-def _load_metadata(backend: StorageBackend, path: str) -> Any:
+def _load_metadata(backend: StorageBackend, path: str, trusted: bool = False) -> Any:
     record = RecordCommit(backend, path)
     commit = record.record_path
     if not record.is_committed():
@@ -49,9 +53,9 @@ def _load_metadata(backend: StorageBackend, path: str) -> Any:
         )
     try:
         with backend.open_read(commit) as f:
-            return pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"cannot read {commit!r}: {exc!r}", path=commit) from exc
+            return _restricted_pickle.load(f, path=commit, expect=Metadata, trusted=trusted)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{commit}: cannot be read ({exc})", path=commit) from exc
 
 
 def _crc32(
@@ -90,16 +94,26 @@ def verify_checkpoint(
     use_msc: bool = False,
     checksums: bool = True,
     progress: Callable[[int], None] | None = None,
+    trusted: bool = False,
 ) -> VerifiedCheckpoint:
     """Check the checkpoint at ``path``; raise :class:`CorruptCheckpointError` listing every
     problem (missing commit record or file, wrong size, checksum mismatch).
 
     ``checksums=False`` checks presence and sizes only (no data is read). ``progress`` is
-    called with the byte count of every chunk checksummed.
+    called with the byte count of every chunk checksummed. The commit record is read with
+    the restricted unpickler (:mod:`resilient_ckpt._restricted_pickle`): one naming any
+    other global is refused, unless ``trusted=True`` (the file's origin is trusted: it may
+    run code).
     """
     backend = get_backend(path, use_msc=use_msc)
-    metadata = _load_metadata(backend, path)
-    expected, has_table = _expected_files(metadata)
+    metadata = _load_metadata(backend, path, trusted)
+    try:
+        expected, has_table = _expected_files(metadata)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        commit = RecordCommit(backend, path).record_path
+        raise CorruptCheckpointError(
+            f"{commit}: malformed metadata ({type(exc).__name__}: {exc})", path=commit
+        ) from exc
     problems: list[str] = []
     sizes: dict[str, int] = {}
     for name, (size, crc) in sorted(expected.items()):

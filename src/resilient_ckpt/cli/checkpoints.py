@@ -180,7 +180,7 @@ def verify_dcp(path: str, progress: Progress | None = None, *, trusted: bool = F
     except (OSError, CheckpointingException):
         pass  # missing or unreadable: verify_checkpoint says which
     try:
-        result = verify_checkpoint(path, progress=progress)
+        result = verify_checkpoint(path, progress=progress, trusted=trusted)
     except CheckpointingException as exc:
         lines = str(exc).splitlines()
         return Report("dcp", path, False, [line.strip() for line in lines[1:]] or lines)

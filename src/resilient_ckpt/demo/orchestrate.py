@@ -174,8 +174,8 @@ def _story(args: argparse.Namespace, work: str, memory: str, durable: str) -> in
     if _torchrun(2, *_job(args, work, "last", *dirs)) != 0:
         print("[demo] FAILED: the last run did not finish", flush=True)
         return 1
-    ref = torch.load(os.path.join(work, "ref_final.pt"))
-    out = torch.load(os.path.join(work, "last_final.pt"))
+    ref = torch.load(os.path.join(work, "ref_final.pt"), weights_only=True)
+    out = torch.load(os.path.join(work, "last_final.pt"), weights_only=True)
     same = ref.keys() == out.keys() and all(torch.equal(ref[k], out[k]) for k in ref)
     _report(work, memory, durable, same, time.monotonic() - t0)
     return 0 if same and ok else 1

@@ -79,6 +79,8 @@ def _unpack(blob: Any) -> dict[str, Any]:
             f"tiered checkpoint holds no Lightning trainer state (got {type(blob).__name__}); "
             "was it written by TieredCheckpointCallback?"
         )
+    # Lightning's own state (loops, callbacks, hyper-parameters: arbitrary objects), which this
+    # job saved to its own tiers: trusted as the manager's default restore is.
     value = torch.load(io.BytesIO(blob), weights_only=False)
     if not isinstance(value, dict):
         raise ConfigurationError("tiered checkpoint: the Lightning trainer state is not a dict")

@@ -20,7 +20,8 @@ Decisions:
   the bytes are written, so it costs little wall time: both the CRC and the file I/O
   release the GIL.
 * Loading unpickles the hollow object, like ``torch.load(weights_only=False)``: local
-  checkpoints are written by the job itself and are trusted.
+  checkpoints are written by the job itself and are trusted. The managers' safe mode
+  (``weights_only=True``) unpickles it with an allow-list instead (see :func:`_header`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import IO, Any
 
 import torch
 
+from .. import _restricted_pickle
 from .._checksum import CrcPipe, crc32
 from ..async_ckpt._stage_cache import tensor_meta, unchanged
 from ..async_ckpt._staging import TensorBatch
@@ -45,6 +47,7 @@ from ._reader import check_against_manifest as check_against_manifest  # (re-exp
 from ._reader import read_verified as read_verified  # verified reading lives in ._reader)
 from ._whole import WholeObject, snapshot_whole
 from .base_state_dict import TensorAwareStateDict
+from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 
 MAGIC = b"RCLOCAL\x00"
 FORMAT_VERSION = 1
@@ -297,33 +300,69 @@ def crc_of(buffer: torch.Tensor) -> int:
     return crc32(_bytes_view(buffer))
 
 
-def deserialize(buffer: torch.Tensor) -> TensorAwareStateDict:
+def deserialize(
+    buffer: torch.Tensor, *, weights_only: bool = False, source: str = "local checkpoint shard"
+) -> TensorAwareStateDict:
     """Rebuild the state from a shard buffer; the tensors are views of ``buffer``.
 
     A buffer holding a file NVRx wrote (see :mod:`._nvrx_format`) is loaded as NVRx does;
-    a state saved whole comes back as the user's object.
+    a state saved whole comes back as the user's object. ``weights_only`` is the managers'
+    safe mode (see :func:`_header`); ``source`` names the shard in errors.
     """
     raw = _bytes_view(buffer)
     if _nvrx_format.is_nvrx_bytes(raw):
-        return _nvrx_format.load_state(raw)
+        return _nvrx_format.load_state(raw, weights_only=weights_only, source=source)
     if len(raw) < _PREFIX.size:
-        raise CorruptCheckpointError(f"shard of {len(raw)} bytes is too short")
+        raise CorruptCheckpointError(f"{source}: {len(raw)} bytes, too short for a shard")
     magic, version, _, header_len = _PREFIX.unpack_from(raw)
     if magic != MAGIC:
-        raise CorruptCheckpointError("not a resilient_ckpt local checkpoint shard (bad magic)")
+        raise CorruptCheckpointError(
+            f"{source}: not a resilient_ckpt local checkpoint shard (bad magic)"
+        )
     if version != FORMAT_VERSION:
         raise CheckpointingException(
-            f"local checkpoint format version {version} is not supported (expected "
+            f"{source}: local checkpoint format version {version} is not supported (expected "
             f"{FORMAT_VERSION}); load it with the version of resilient_ckpt that wrote it"
         )
     body = io.BytesIO(raw[_PREFIX.size : _PREFIX.size + header_len])
-    state, records = pickle.load(body)
+    state, records = _header(body, weights_only, source)
     data_start = align(_PREFIX.size + header_len)
     tensors = [_tensor_from(buffer, data_start, r) for r in records]
     state.insert_tensors(tensors)
     if isinstance(state, WholeObject):
-        return state.unwrap()
+        return state.unwrap(weights_only=weights_only, source=source)
     return state  # type: ignore[no-any-return]
+
+
+def _header(body: IO[bytes], weights_only: bool, source: str) -> tuple[Any, list[TensorRecord]]:
+    """The hollow state and the tensor records of a shard header.
+
+    Trusted (the default): unpickled freely, like ``torch.load(weights_only=False)``, because
+    the job wrote its own local checkpoints and NVRx and Megatron keep arbitrary objects in
+    them. ``weights_only``: with the restricted unpickler, which allows plain values, this
+    format's classes and the globals the user marked safe with
+    ``torch.serialization.add_safe_globals`` (see :mod:`resilient_ckpt._restricted_pickle`).
+    """
+    if not weights_only:
+        return pickle.load(body)  # type: ignore[no-any-return]
+    header = _restricted_pickle.load_state(
+        body, path=source, allowed=_format_classes(), refusal=_REFUSAL, expect=tuple
+    )
+    if len(header) != 2 or not isinstance(header[1], list):
+        raise CorruptCheckpointError(f"{source}: its header is not (state, tensor records)")
+    return header  # type: ignore[no-any-return]
+
+
+_REFUSAL = (
+    "the manager loads with weights_only=True, which allows plain values, this format's "
+    "classes and the globals marked safe (weights_only=False trusts the file: only for "
+    "checkpoints your job wrote to storage no one else can write)"
+)
+
+
+def _format_classes() -> tuple[type, ...]:
+    """The classes this format pickles in a shard header, besides the user's state."""
+    return (BasicTensorAwareStateDict, TensorPlaceholder, TensorRecord, WholeObject)
 
 
 def _tensor_from(buffer: torch.Tensor, data_start: int, record: TensorRecord) -> torch.Tensor:

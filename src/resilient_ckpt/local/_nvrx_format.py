@@ -35,9 +35,10 @@ those two checks of our manifests cannot be made: resume with the same number of
 (and replication) as the NVRx job, as NVRx itself requires.
 
 Loading unpickles the file as NVRx does (``torch.load(weights_only=False)``: the job wrote
-it). Classes pickled under ``nvidia_resiliency_ext.checkpointing`` load from the real
-package when it is installed, else from ours; NVRx's ``BasicTensorAwareStateDict`` becomes
-ours (NVRx's only held CUDA tensors, so ``restore_tensor_device`` returns them to CUDA).
+it), or in the managers' safe mode with ``torch.load(weights_only=True)``. Classes pickled
+under ``nvidia_resiliency_ext.checkpointing`` load from the real package when it is
+installed, else from ours; NVRx's ``BasicTensorAwareStateDict`` becomes ours (NVRx's only
+held CUDA tensors, so ``restore_tensor_device`` returns them to CUDA).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Any
 
 import torch
 
+from .. import _restricted_pickle
 from ..errors import CorruptCheckpointError
 from .base_state_dict import TensorAwareStateDict
 
@@ -155,8 +157,23 @@ def _pickle_module() -> types.ModuleType:
     return module
 
 
-def load_state(raw: memoryview | bytes) -> TensorAwareStateDict:
-    """The object NVRx saved, as ``torch.load`` returns it (tensors where they were saved)."""
-    # Trusted input, as in NVRx's own load: the job wrote these files.
+def load_state(
+    raw: memoryview | bytes, *, weights_only: bool = False, source: str = "NVRx local checkpoint"
+) -> TensorAwareStateDict:
+    """The object NVRx saved, as ``torch.load`` returns it (tensors where they were saved).
+
+    Trusted by default, as in NVRx's own load: the job wrote these files. ``weights_only``
+    (the managers' safe mode) loads with torch's ``weights_only`` unpickler, NVRx's
+    ``BasicTensorAwareStateDict`` allowed (as ours, see the module docstring; torch 2.5 and
+    later: torch 2.4 cannot allow a class under another name, and refuses it); other
+    classes must be marked safe by the user, or the load is refused, naming ``source``.
+    """
+    if weights_only:
+        from ._nvrx_basic import MigratedBasicStateDict
+
+        allowed = [(MigratedBasicStateDict, ".".join(_BASIC))]
+        return _restricted_pickle.torch_load(  # type: ignore[no-any-return]
+            bytes(raw), path=source, allowed=allowed
+        )
     state = torch.load(io.BytesIO(raw), weights_only=False, pickle_module=_pickle_module())
     return state  # type: ignore[no-any-return]

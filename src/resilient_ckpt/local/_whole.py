@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .. import _restricted_pickle
 from ..errors import CheckpointingException, ConfigurationError
 from .base_state_dict import TensorAwareStateDict
 
@@ -68,10 +69,19 @@ class WholeObject(TensorAwareStateDict):
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """The bytes stay on the host; :meth:`unwrap` gives the user's object."""
 
-    def unwrap(self) -> TensorAwareStateDict:
-        """The user's object, as ``torch.load`` rebuilds it (tensors on the host)."""
+    def unwrap(
+        self, *, weights_only: bool = False, source: str = "local checkpoint shard"
+    ) -> TensorAwareStateDict:
+        """The user's object, as ``torch.load`` rebuilds it (tensors on the host).
+
+        Trusted by default, as ``torch.load(weights_only=False)`` in NVRx: the job wrote it.
+        ``weights_only`` (the managers' safe mode) loads it with torch's ``weights_only``
+        unpickler: the user's class must then be marked safe
+        (``torch.serialization.add_safe_globals``), or the load is refused, naming ``source``.
+        """
         raw = self.tensors[0].numpy().tobytes()
-        # Trusted input, as torch.load(weights_only=False) in NVRx: the job wrote it.
+        if weights_only:
+            return _restricted_pickle.torch_load(raw, path=source)  # type: ignore[no-any-return]
         return torch.load(io.BytesIO(raw), weights_only=False)  # type: ignore[no-any-return]
 
 

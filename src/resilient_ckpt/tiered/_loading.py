@@ -20,13 +20,16 @@ from torch.distributed.checkpoint import CheckpointException
 
 from .. import _dist
 from .._logging import get_logger
+from .._rank_errors import RankFailureError, from_checkpoint_exception
+from ..async_ckpt.cached_metadata_filesystem_reader import WeightsOnlyLoadPlanner
 from ..async_ckpt.core import AsyncRequest
-from ..errors import CheckpointingException, CorruptCheckpointError
+from ..errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
 from ..local._agreement import agree
 from ..storage import get_backend
 from ..storage.commit import COMMIT_RECORD
 from . import _restore
 from ._layout import StepListing, purge_newer
+from ._options import TieredOptions
 
 logger = get_logger(__name__)
 
@@ -34,6 +37,7 @@ logger = get_logger(__name__)
 class RestoreSteps:
     """The manager's ``load`` and what it needs (mixed into the manager)."""
 
+    options: TieredOptions
     memory_dir: str
     durable_dir: str
     rank: int
@@ -76,8 +80,9 @@ class RestoreSteps:
                     f"preparing the restore of {candidate.tier} step {candidate.step}",
                     functools.partial(self._reader, candidate, record, views[self.rank].listings),
                 )
-                dcp.load(state_dict, storage_reader=reader)
+                dcp.load(state_dict, storage_reader=reader, planner=self._planner(reader))
             except (CheckpointException, CheckpointingException) as exc:
+                self._raise_if_refused(candidate, exc)
                 logger.warning(
                     "cannot restore %s step %d (%s); trying the next newest",
                     candidate.tier,
@@ -100,6 +105,31 @@ class RestoreSteps:
             self._forget_newer(candidate.step)
             return candidate.step
         return None
+
+    def _planner(self, reader: Any) -> Any:
+        """dcp.load's planner: torch's default (non-tensor values unpickled freely: the
+        job's own storage), or in safe mode one that loads them with ``weights_only``."""
+        if not self.options.weights_only:
+            return None
+        return WeightsOnlyLoadPlanner(checkpoint=reader.path)
+
+    def _raise_if_refused(self, candidate: _restore.Candidate, exc: BaseException) -> None:
+        """In safe mode, a value of the state refused by ``weights_only`` fails the load on
+        every rank (dcp.load's failures reach every rank) instead of falling back: an older
+        checkpoint holds the same kinds of values and would be refused alike, and ``None``
+        (nothing restored) would restart training from scratch. A refused commit record is
+        another matter (a damaged or foreign file): its step is skipped."""
+        if not self.options.weights_only or isinstance(exc, RankFailureError):
+            return  # refusals of the state come from dcp.load, never from an agreement
+        failures = getattr(exc, "failures", None) or {}
+        errors = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        refused = [e for e in errors if isinstance(e, UnsafeCheckpointError)]
+        if refused and isinstance(exc, CheckpointException):
+            error = from_checkpoint_exception(
+                f"restoring {candidate.tier} step {candidate.step} (weights_only=True)", exc
+            )
+            error.path, error.name = refused[0].path, refused[0].name  # type: ignore[attr-defined]
+            raise error from exc
 
     def _drain_worker(self) -> None:
         """Wait until every rank's worker has finished the calls it still runs before restore

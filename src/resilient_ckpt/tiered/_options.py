@@ -31,6 +31,7 @@ class TieredOptions:
     keep_durable: int = 2
     thread_count: int = 1
     durable_sync: bool = True
+    weights_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("memory_dir", "durable_dir"):
@@ -52,5 +53,6 @@ class TieredOptions:
             _positive_int("replication_jump", self.replication_jump)
         for name in ("durable_every", "keep_memory", "keep_durable", "thread_count"):
             _positive_int(name, getattr(self, name))
-        if not isinstance(self.durable_sync, bool):
-            raise ConfigurationError(f"durable_sync must be a bool, got {self.durable_sync!r}")
+        for name in ("durable_sync", "weights_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"{name} must be a bool, got {getattr(self, name)!r}")

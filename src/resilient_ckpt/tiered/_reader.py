@@ -41,10 +41,11 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from .. import _checksum
+from .. import _checksum, _restricted_pickle
 from .._logging import get_logger
 from .._torch_compat import has_stream_transforms
 from ..async_ckpt._read_once import ReadOnceReader
@@ -53,6 +54,7 @@ from ..errors import CorruptCheckpointError, StorageError
 from ..local._reader import check_against_manifest, read_verified
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ._fetch import exchange_missing
+from ._layout import METADATA_NAME
 
 logger = get_logger(__name__)
 
@@ -68,9 +70,14 @@ class LocatingFileSystem(FileSystemBase):
         candidates: dict[str, list[str]],
         table: dict[str, tuple[int, int]],
         backend: StorageBackend,
+        metadata_name: str | None = None,
         on_read: Callable[[int], None] | None = None,
     ) -> None:
         self.metadata = metadata  # the commit record's path, or its bytes
+        # What errors call the record: its path, or where its bytes came from.
+        self.metadata_name = metadata_name or (
+            metadata if isinstance(metadata, str) else "the commit record"
+        )
         self.candidates = candidates
         self.table = table
         self.backend = backend
@@ -84,7 +91,7 @@ class LocatingFileSystem(FileSystemBase):
         if mode != "rb":
             raise StorageError(f"the tiered restore reader is read-only (asked for {mode!r})")
         name = os.path.basename(os.fspath(path))
-        if name == ".metadata":
+        if name == METADATA_NAME:
             if isinstance(self.metadata, bytes):
                 yield io.BytesIO(self.metadata)
                 return
@@ -167,7 +174,7 @@ class LocatingFileSystem(FileSystemBase):
 
     def exists(self, path: str | os.PathLike) -> bool:
         name = os.path.basename(os.fspath(path))
-        return name == ".metadata" or name in self.candidates
+        return name == METADATA_NAME or name in self.candidates
 
     def rm_file(self, path: str | os.PathLike) -> None:
         raise StorageError("the tiered restore reader is read-only")
@@ -203,12 +210,18 @@ class VerifyingReader(ReadOnceReader, FileSystemReader):
         *,
         exchange_group: Any = None,
         read_once: bool | None = None,
+        metadata_name: str | None = None,
     ) -> None:
         super().__init__(
             checkpoint_id, read_once=False if exchange_group is not None else read_once
         )
         self.fs = LocatingFileSystem(  # type: ignore[assignment]
-            metadata, candidates, table, get_backend(checkpoint_id), on_read=self._count_read
+            metadata,
+            candidates,
+            table,
+            get_backend(checkpoint_id),
+            metadata_name,
+            on_read=self._count_read,
         )
         self.path = checkpoint_id
         # Memory tier: files this rank needs but cannot reach come from ranks that can.
@@ -217,6 +230,18 @@ class VerifyingReader(ReadOnceReader, FileSystemReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         # dcp.load resets with its checkpoint_id argument (None here): keep our path.
         super().reset(None)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The commit record, unpickled with the restricted unpickler (torch's reader would
+        unpickle it freely): a record naming any global DCP's metadata never holds is
+        refused, never run."""
+        fs = cast(LocatingFileSystem, self.fs)
+        with fs.create_stream(METADATA_NAME, "rb") as f:
+            metadata = _restricted_pickle.load(f, path=fs.metadata_name, expect=Metadata)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata  # type: ignore[no-any-return]
 
     def _read_alone(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Each file verified once, its tensors copied once into the targets, straight
@@ -241,11 +266,3 @@ class VerifyingReader(ReadOnceReader, FileSystemReader):
 
     def _release_files(self) -> None:
         cast(LocatingFileSystem, self.fs).release()  # no mapping outlives the load
-
-
-def read_metadata(path: str) -> Any:
-    import pickle
-
-    backend = get_backend(path)
-    with backend.open_read(path) as f:
-        return pickle.load(f)

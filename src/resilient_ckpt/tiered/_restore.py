@@ -17,17 +17,24 @@ on a replaced node have none). The manager then tries the candidates in order wi
 whose files turn out corrupt on every copy makes ``dcp.load`` fail on every rank, and the
 next one is tried. Nothing here reads data files: sizes come from directory listings, and
 checksums are checked while the data is read for the load itself.
+
+Commit records are unpickled with the restricted unpickler
+(:mod:`resilient_ckpt._restricted_pickle`): one that is damaged, empty, of another kind,
+or names a global no commit record holds (refused, never run; logged with the file and the
+global) makes its step unavailable on this rank, as a missing one does.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .. import _restricted_pickle
 from .._logging import get_logger
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import get_backend
 from ..storage.commit import COMMIT_RECORD
 from ..storage.retention import list_checkpoints
@@ -82,12 +89,33 @@ def local_view(memory_dir: str, durable_dir: str, is_coordinator: bool) -> RankV
     return view
 
 
+def record_table(record: bytes, path: str) -> dict[str, tuple[int, int]]:
+    """The file table of a commit record's bytes (``path`` names it in errors), unpickled
+    with the restricted unpickler: a record naming a global that DCP metadata never holds
+    is refused (``UnsafeCheckpointError``), never run; a damaged one, or one of another
+    kind, is a ``CorruptCheckpointError``."""
+    return file_table(_restricted_pickle.loads(record, path=path, expect=Metadata), path)
+
+
+def _unavailable(path: str, exc: Exception) -> None:
+    """Log why the commit record at ``path`` makes its step unavailable on this rank."""
+    if isinstance(exc, UnsafeCheckpointError):
+        logger.warning(
+            "refused commit record %s: it names the global %s, which no commit record holds "
+            "(nothing was run); its step is treated as unavailable",
+            path,
+            exc.name,
+        )
+    else:
+        logger.warning("unreadable commit record, its step is treated as unavailable: %s", exc)
+
+
 def _read_table(path: str) -> dict[str, tuple[int, int]]:
     try:
         with open(path, "rb") as f:
-            return file_table(pickle.load(f))
-    except Exception as exc:
-        logger.warning("unreadable commit record %s: %r", path, exc)
+            return record_table(f.read(), path)
+    except (OSError, CheckpointingException) as exc:
+        _unavailable(path, exc)
         return {}
 
 
@@ -129,10 +157,10 @@ def read_commit_record(listings: list[StepListing], step: int) -> bytes | None:
             try:
                 with open(path, "rb") as f:
                     data = f.read()
-                if file_table(pickle.loads(data)):
+                if record_table(data, path):
                     return data
-            except Exception as exc:
-                logger.warning("unreadable commit record %s: %r", path, exc)
+            except (OSError, CheckpointingException) as exc:
+                _unavailable(path, exc)
     return None
 
 
@@ -147,7 +175,8 @@ def memory_reader(
     """A reader of memory step ``step`` (its commit record ``record``, as shared by the rank
     that read it) from the copies in ``listings`` (this rank's view, own first); the rest
     come from other ranks over ``group`` when the load runs (``_fetch``)."""
-    table = file_table(pickle.loads(record))
+    name = f"the commit record of memory step {step}"
+    table = record_table(record, name)
     if not table:
         raise CorruptCheckpointError(
             f"rank {rank}: the commit record of memory step {step} has no file table"
@@ -160,7 +189,7 @@ def memory_reader(
         for name in listing.files:
             locations.setdefault(name, []).append(os.path.join(listing.path, name))
     here = memory_step_dir(memory_dir, rank, step)
-    return VerifyingReader(here, record, locations, table, exchange_group=group)
+    return VerifyingReader(here, record, locations, table, exchange_group=group, metadata_name=name)
 
 
 def durable_reader(durable_dir: str, step: int) -> VerifyingReader:
@@ -168,8 +197,8 @@ def durable_reader(durable_dir: str, step: int) -> VerifyingReader:
     path = backend.join(durable_dir, step_name(step))
     metadata_path = backend.join(path, COMMIT_RECORD)
     with backend.open_read(metadata_path) as f:
-        metadata: Any = pickle.load(f)
-    table = file_table(metadata)
+        record = f.read()
+    table = record_table(record, metadata_path)
     if not table:
         raise CorruptCheckpointError(
             f"{path!r} has no file table in its commit record (not written by resilient_ckpt); "
@@ -177,4 +206,4 @@ def durable_reader(durable_dir: str, step: int) -> VerifyingReader:
             path=path,
         )
     locations = {name: [backend.join(path, name)] for name in table}
-    return VerifyingReader(path, metadata_path, locations, table)
+    return VerifyingReader(path, record, locations, table, metadata_name=metadata_path)

@@ -42,7 +42,7 @@ from .._logging import get_logger
 from ..async_ckpt._dcp_write import FileRecord, WriteBucket, WriteJob, run_write_job, write_file
 from ..async_ckpt.filesystem_async import FILE_TABLE_ATTR, FileSystemWriterAsync
 from ..async_ckpt.state_dict_saver import save_state_dict_async_finalize
-from ..errors import CheckpointWriteError, ConfigurationError
+from ..errors import CheckpointWriteError, ConfigurationError, CorruptCheckpointError
 from ..storage import get_backend
 from ._layout import step_name
 from ._options import TieredOptions
@@ -174,9 +174,17 @@ def commit_metadata_bytes(
     return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def file_table(metadata: Any) -> dict[str, tuple[int, int]]:
+def file_table(metadata: Any, path: str = "the commit record") -> dict[str, tuple[int, int]]:
+    """The size and CRC-32 of every data file, from a commit record (empty: it has none,
+    as a record not written by this package). A table of another shape is a
+    ``CorruptCheckpointError`` naming ``path``."""
     table = getattr(metadata, FILE_TABLE_ATTR, None) or {}
-    return {name: (int(s), int(c)) for name, (s, c) in dict(table.get("files", {})).items()}
+    try:
+        return {name: (int(s), int(c)) for name, (s, c) in dict(table.get("files", {})).items()}
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"{path}: malformed file table ({type(exc).__name__}: {exc})", path=path
+        ) from exc
 
 
 def plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -121,6 +121,14 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
             save (from the trainer or the replicator thread, as documented there):
             instrumentation, and the fault kit's hook
             (:func:`resilient_ckpt.testing.faults.kill_at_tiered_phase`).
+        weights_only: the safe mode of ``load``. Default False: the state's non-tensor
+            values are unpickled freely, as ``dcp.load`` does (the job trusts what it wrote
+            to its own tiers; whoever can write them can run code in the job). True: with
+            ``torch.load(weights_only=True)``, whose allow-list the user extends with
+            ``torch.serialization.add_safe_globals``; a refused value fails ``load`` on
+            every rank with :class:`~resilient_ckpt.errors.UnsafeCheckpointError` (it does
+            not fall back to an older checkpoint, which would be refused alike). Commit
+            records are never unpickled freely, in either mode.
     """
 
     def __init__(
@@ -137,6 +145,7 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
         durable_sync: bool = True,
         timeouts: Timeouts | None = None,
         on_phase: PhaseHook | None = None,
+        weights_only: bool = False,
     ) -> None:
         self.options = TieredOptions(
             os.fspath(memory_dir),
@@ -148,6 +157,7 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
             keep_durable,
             thread_count,
             durable_sync,
+            weights_only,
         )
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigurationError(

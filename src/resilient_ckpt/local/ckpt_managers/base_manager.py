@@ -188,13 +188,32 @@ class BaseCheckpointManager(ABC):
 
     The public methods (``save``, ``find_latest``, ``load``; all collective) own the
     protocol; a subclass implements the storage hooks (the abstract ``_`` methods below).
+
+    Trust: ``load`` reads what the same job saved to its own storage, and unpickles the
+    state's non-tensor part freely (as NVRx does, with ``torch.load(weights_only=False)``),
+    because NVRx and Megatron keep arbitrary objects there: anyone who can write that
+    storage can run code in the job. ``weights_only=True`` is the safe mode, for storage
+    others can write: the state is unpickled with an allow-list (plain values, this
+    format's classes, and what the user marks safe with
+    ``torch.serialization.add_safe_globals`` or inside ``safe_globals``, as for
+    ``torch.load(weights_only=True)``); anything else is refused on every rank with
+    :class:`~resilient_ckpt.errors.UnsafeCheckpointError`, naming the file and the global.
     """
 
-    def __init__(self, session_id: Any, repl_strategy: ReplicationStrategy | None = None) -> None:
+    def __init__(
+        self,
+        session_id: Any,
+        repl_strategy: ReplicationStrategy | None = None,
+        *,
+        weights_only: bool = False,
+    ) -> None:
         if repl_strategy is not None and not isinstance(repl_strategy, ReplicationStrategy):
             raise ConfigurationError(
                 f"repl_strategy must be a ReplicationStrategy or None, got {repl_strategy!r}"
             )
+        if not isinstance(weights_only, bool):
+            raise ConfigurationError(f"weights_only must be a bool, got {weights_only!r}")
+        self.weights_only = weights_only
         self.latest_iteration = -1
         self.repl_strategy = repl_strategy
         # Async saves without replication prepare at staging (see save).
@@ -625,7 +644,11 @@ class BaseCheckpointManager(ABC):
             self._discard(stale)
 
     def load(self) -> tuple[TensorAwareStateDict, CkptID]:
-        """Load this rank's shard of the iteration ``find_latest`` found. Collective."""
+        """Load this rank's shard of the iteration ``find_latest`` found. Collective.
+
+        The state is unpickled freely, or with the allow-list of ``weights_only=True``
+        (see the class docstring).
+        """
         if self.latest_iteration == -1:
             raise CheckpointingException(
                 "load() needs a complete checkpoint: call find_latest() first (on every rank); "
@@ -639,7 +662,7 @@ class BaseCheckpointManager(ABC):
                 buffer = agree("local checkpoint read", lambda: self._buffer_of(my_id))
             else:
                 buffer = self._retrieve(my_id)
-            state = deserialize(buffer)
+            state = self._rebuild(buffer, my_id)
             state.restore_tensor_device(non_blocking=False)
         finally:
             self._drop_cache()
@@ -650,6 +673,18 @@ class BaseCheckpointManager(ABC):
             time.perf_counter() - started,
         )
         return state, my_id
+
+    def _rebuild(self, buffer: torch.Tensor, my_id: CkptID) -> TensorAwareStateDict:
+        """The state from its verified shard bytes. In safe mode a refused global on one
+        rank fails the load on every rank, or the job would go on with some ranks restored."""
+        copy = _catalogue.find_copy(self._catalogue, self.rank, my_id[0], my_id[1])
+        source = copy.path if copy is not None else f"local checkpoint {my_id} (from a peer)"
+        if not self.weights_only:
+            return deserialize(buffer, source=source)
+        return agree(
+            "local checkpoint load (weights_only=True)",
+            lambda: deserialize(buffer, weights_only=True, source=source),
+        )
 
     def _buffer_of(self, ckpt_id: CkptID) -> torch.Tensor:
         cached = self._verified.get(ckpt_id)

@@ -82,6 +82,12 @@ class LocalCheckpointManager(BaseCheckpointManager):
             ``save``: with ``overlap_staging=True``, on the staging thread. Its errors are
             raised on every rank by ``schedule_async_request`` or ``wait_for_snapshot``
             (see :mod:`resilient_ckpt.async_ckpt._staging`). Default False.
+        weights_only: the safe mode of ``load``. Default False: the state is unpickled
+            freely, as NVRx does (the job trusts what it wrote to its own directories;
+            whoever can write them can run code in the job). True: an allow-list, extended
+            as for ``torch.load(weights_only=True)`` with
+            ``torch.serialization.add_safe_globals`` (see
+            :class:`~.base_manager.BaseCheckpointManager`).
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
         keep_latest: int = 1,
         sync_files: bool = True,
         defer_planning: bool = False,
+        weights_only: bool = False,
     ) -> None:
         if not isinstance(session_id, str) or os.sep in session_id or session_id in (".", ".."):
             raise ConfigurationError(
@@ -100,7 +107,7 @@ class LocalCheckpointManager(BaseCheckpointManager):
             )
         if not isinstance(keep_latest, int) or isinstance(keep_latest, bool) or keep_latest < 1:
             raise ConfigurationError(f"keep_latest must be an int >= 1, got {keep_latest!r}")
-        super().__init__(session_id, repl_strategy)
+        super().__init__(session_id, repl_strategy, weights_only=weights_only)
         if not isinstance(defer_planning, bool):
             raise ConfigurationError(f"defer_planning must be a bool, got {defer_planning!r}")
         self.defer_planning = defer_planning

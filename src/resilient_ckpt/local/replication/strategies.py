@@ -78,6 +78,8 @@ def _from_buffer(
 ) -> TensorAwareStateDict:
     if kind == _RAW:
         return ShardBuffer(buf, crc32, arrived_crc32=arrived_crc32)
+    # A state a clique peer of this job serialized moments ago, in flight (not a file):
+    # trusted like the job's own saves. The managers' loads move raw shards (_RAW) instead.
     state = deserialize(buf.cpu())
     state.restore_tensor_device(non_blocking=False)
     return state
