@@ -291,3 +291,22 @@ def test_memory_tier_record_is_read_safely(tmp_path, capsys) -> None:
     assert code == 2 and "os.makedirs" in err and not marker.exists()
     code, _, _ = _run(capsys, "inspect", str(tmp_path / "memory"), "--trust")
     assert code == 0 and marker.exists()
+
+
+@pytest.mark.parametrize("verb", ("inspect", "convert"))
+def test_local_shard_runs_nothing_without_trust(verb, tmp_path, capsys) -> None:
+    """A local checkpoint's state is read in the managers' safe mode: a shard whose header
+    names another global is refused with its name; --trust reads it in full."""
+    from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager
+
+    marker = tmp_path / "ran"
+    state = {**_state(), "extra": _RunsCode(marker)}
+    LocalCheckpointManager(str(tmp_path / "root"), "s").save(BasicTensorAwareStateDict(state), 1)
+    session = tmp_path / "root" / "s"
+    code, _, err = _run(capsys, *_argv(verb, session, tmp_path))
+    assert not marker.exists()
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "refused to load the global" in err and "os.makedirs" in err
+    code, _, err = _run(capsys, *_argv(verb, session, tmp_path, "--trust"))
+    assert code == 0, err
+    assert marker.exists()

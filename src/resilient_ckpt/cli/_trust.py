@@ -71,18 +71,6 @@ def torch_load(f: IO[bytes], *, path: str, trusted: bool) -> Any:
         raise CorruptCheckpointError(f"{path}: {_what_is_wrong(exc, f, start)}", path=path) from exc
 
 
-def refuse_local(path: str) -> UnsafeCheckpointError:
-    """The error for reading a local checkpoint's state without ``--trust``."""
-    return UnsafeCheckpointError(
-        f"{path}: not read: a local checkpoint's state is loaded by unpickling it in full, "
-        "which would let the file run code on this machine (no safe reader exists for this "
-        "format). If you trust where it came from (e.g. your own job wrote it), pass --trust "
-        "(trusted=True in Python); `verify` checks its bytes without loading it",
-        path=path,
-        name="",
-    )
-
-
 # torch names the global it refused in its message ("... GLOBAL posix.system ..."); the
 # wording changed between releases, the "GLOBAL <module>.<name>" part did not.
 _GLOBAL = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")

@@ -8,8 +8,9 @@ matched. Works without a process group: it only reads files, through the storage
 of the path (listing and verification; loading a shard reads local files).
 
 Listing and verifying never unpickle anything (sizes and checksums of the bytes). Loading a
-shard's state unpickles its header in full (the local format has no restricted reader), so
-it is done only when the caller says the files are trusted (see :mod:`._trust`).
+shard's state uses the managers' safe mode (``weights_only=True``: plain values, the
+format's own classes and the globals marked safe) unless the caller says the files are
+trusted.
 """
 
 from __future__ import annotations
@@ -21,14 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
+from ..errors import (
+    CheckpointingException,
+    ConfigurationError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from ..local import _nvrx_format
 from ..local._format import check_against_manifest, deserialize, read_verified
 from ..local._manifest import DATA, MANIFEST, Manifest, file_name, parse_name
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.base import Listing
 from ..utils import preload_tensors
-from . import _trust
 
 _CHUNK = 8 << 20
 
@@ -193,10 +198,9 @@ def verify_shard(path: str) -> int:
 
 def load_shard(path: str, *, trusted: bool = False) -> Any:
     """The state dict stored in one local copy file, checked as :func:`verify_shard` does.
-    Unpickles the file in full: refused unless ``trusted``."""
-    if not trusted:
-        raise _trust.refuse_local(path)
-    state = deserialize(_verified_bytes(path))
+    Unpickled in the managers' safe mode (plain values, the format's classes and the
+    globals marked safe; a refused one is a named error) unless ``trusted``."""
+    state = deserialize(_verified_bytes(path), weights_only=not trusted, source=path)
     # The tensors view one shard buffer in several dtypes; give each its own storage so the
     # result can be handed to torch.save.
     return preload_tensors(getattr(state, "state_dict", state), non_blocking=False)
@@ -209,23 +213,28 @@ def load_iteration(
     *,
     trusted: bool = False,
 ) -> dict[str, Any]:
-    """{"rank<r>": state_dict} of one complete iteration (default: the newest), any copy.
-    Unpickles the shards in full: refused unless ``trusted``."""
-    if not trusted:
-        raise _trust.refuse_local(session_dir)
+    """{"rank<r>": state_dict} of one complete iteration (default: the newest), any copy,
+    each read as :func:`load_shard` reads it."""
     complete = [r["iteration"] for r in summarize(session_dir, verify=False) if r["complete"]]
     if not complete:
         raise ConfigurationError(f"{session_dir!r} holds no complete local checkpoint")
     target = max(complete) if iteration is None else iteration
     out: dict[str, Any] = {}
+    failed: dict[str, CheckpointingException] = {}
     for copy in copies(session_dir):
         key = f"rank{copy.owner}"
         if copy.iteration != target or key in out or copy.problem:
             continue
         try:
             out[key] = load_shard(copy.path, trusted=trusted)
-        except CheckpointingException:
+        except UnsafeCheckpointError:
+            raise  # every copy holds the same state: another would be refused too
+        except CheckpointingException as exc:
+            failed[key] = exc  # a damaged copy: another holder's may be intact
             continue
         if progress is not None:
             progress(os.path.getsize(copy.path))
+    for key, error in failed.items():
+        if key not in out:
+            raise error
     return dict(sorted(out.items(), key=lambda kv: int(kv[0][4:])))
