@@ -15,6 +15,7 @@ rank returns its unexpected outcomes as plain strings that the assertion prints.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import pickle
@@ -159,12 +160,13 @@ def _write_local(root: str) -> str:
 def _read_local(root: str, label: str, problems: list[str]) -> None:
     from resilient_ckpt.local import LocalCheckpointManager
 
-    def load() -> None:
-        manager = LocalCheckpointManager(root, "s")
+    def load(weights_only: bool) -> None:
+        manager = LocalCheckpointManager(root, "s", weights_only=weights_only)
         if manager.find_latest() != -1:
             manager.load()
 
-    _call(f"{label} LocalCheckpointManager.load", load, problems)
+    for safe in (False, True):
+        _call(f"{label} LocalCheckpointManager.load", functools.partial(load, safe), problems)
     for argv in (["ls", root], ["verify", root], ["inspect", root]):
         _cli(label, argv, problems)
 
