@@ -33,6 +33,7 @@ import builtins
 import collections
 import functools
 import io
+import os
 import pathlib
 import pickle
 import re
@@ -71,6 +72,38 @@ def _plain() -> dict[Global, Any]:
     return allowed
 
 
+class StoredPath(os.PathLike):
+    """A storage library's path object in a DCP ``.metadata``, read back as the plain path
+    it names. multi-storage-client's writer records ``storage_meta.checkpoint_id`` as its
+    ``MultiStoragePath``, whose unpickling sets up a storage client for whatever path the
+    file names; the metadata only records the path, so this stand-in keeps it as a string
+    (``str()`` and ``os.fspath()`` give it)."""
+
+    def __init__(self, path: str = "") -> None:
+        self.path = path
+
+    def __setstate__(self, state: Any) -> None:
+        path = state.get("_path") if isinstance(state, dict) else state
+        if not isinstance(path, str):
+            raise TypeError(f"a stored path must be a string, got {type(path).__name__}")
+        self.path = path
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"StoredPath({self.path!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StoredPath) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+
 @functools.cache
 def _format_globals() -> dict[Global, Any]:
     """What DCP's ``.metadata`` and our commit records hold (see the module docstring)."""
@@ -96,6 +129,7 @@ def _format_globals() -> dict[Global, Any]:
         if hasattr(planner, name):
             allowed[(planner.__name__, name)] = getattr(planner, name)
     allowed.update(dcp_metadata_globals())
+    allowed[("multistorageclient.pathlib", "MultiStoragePath")] = StoredPath
     return allowed
 
 

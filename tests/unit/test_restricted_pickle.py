@@ -191,3 +191,15 @@ def test_torch_load_names_the_refused_global(tmp_path):
     torch.save({"x": _Setting("k"), "t": torch.ones(2)}, buffer)
     got = _restricted_pickle.torch_load(buffer.getvalue(), path="f.pt", allowed=[_Setting])
     assert got["x"] == _Setting("k") and torch.equal(got["t"], torch.ones(2))
+
+
+def test_an_msc_checkpoint_id_reads_back_as_its_path(tmp_path):
+    """multi-storage-client's DCP writer records its path object as the checkpoint id: it
+    reads back as the plain path, without setting up a storage client."""
+    msc_pathlib = pytest.importorskip("multistorageclient.pathlib")
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    path = msc_pathlib.MultiStoragePath(str(tmp_path / "ckpt"))
+    metadata = Metadata(state_dict_metadata={}, storage_meta=StorageMeta(checkpoint_id=path))
+    got = _restricted_pickle.loads(pickle.dumps(metadata), path="m", expect=Metadata)
+    assert os.fspath(got.storage_meta.checkpoint_id) == str(tmp_path / "ckpt")
