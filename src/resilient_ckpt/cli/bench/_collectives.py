@@ -220,7 +220,10 @@ class CollectiveCensus:
         kwargs: dict[str, Any],
         stack: list[str],
     ) -> None:
-        bound = signature.bind_partial(*args, **kwargs).arguments
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return  # a bad call: the original raises its own error
         group = bound.get("group")
         if name == "batch_isend_irecv":
             ops = bound.get("p2p_op_list") or []
