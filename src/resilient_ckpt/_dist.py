@@ -102,6 +102,15 @@ def _gloo_group(key: int, what: str, timeout: float | None) -> Any:
     return group
 
 
+def known_group_name(group: Any) -> str | None:
+    """``"library"`` or ``"library background"`` when ``group`` is one of the library's
+    groups, else None (creates nothing: a diagnostic for tools that count collectives)."""
+    for key, found in _groups.items():
+        if found is group:
+            return "library" if key >= 0 else "library background"
+    return None
+
+
 def is_cpu_group(group: Any) -> bool:
     """Whether tensor collectives on ``group`` run on the CPU (a gloo backend)."""
     return "gloo" in str(dist.get_backend(group)).lower()

@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the benchmarks with sensible defaults",
         description="Arguments after `--` go to the benchmark script (with --only NAME).",
     )
-    p.add_argument("--only", help="comma-separated names: " + ",".join(bench.DEFAULT_BENCHMARKS))
+    p.add_argument("--only", help="comma-separated names: " + ",".join(bench.ALL_BENCHMARKS))
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     p.add_argument("--dir", help="directory on the storage to measure (default: a temp dir)")
     p.add_argument("--plot", metavar="PNG", help="draw stall and throughput against references")

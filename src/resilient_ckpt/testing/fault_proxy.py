@@ -16,6 +16,11 @@ on 127.0.0.1, forwards only to the upstream it was given, and serves until ``clo
 
 Several plans can be armed at once; a request takes the fault of the first plan that
 selects it. A plan given several modes cycles through them (``("503", "reset")``).
+
+A proxy can also limit bandwidth: with ``throttle=Throttle(rate)`` (:mod:`.throttle`) the
+bodies of every request and every answer through it pass at most ``rate`` bytes per second
+together. One proxy per simulated node, each with its own throttle, models the ranks of a
+node sharing that node's link to the storage service.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..errors import ConfigurationError
+from .throttle import Throttle
 
-__all__ = ["FaultInjectingProxy", "FaultPlan"]
+__all__ = ["FaultInjectingProxy", "FaultPlan", "Throttle"]
 
 Match = Callable[[str, str], bool]
 MODES = ("503", "reset")
@@ -81,6 +87,7 @@ class FaultPlan:
 @dataclass
 class _State:
     upstream: tuple[str, int]
+    throttle: Throttle | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     plans: list[FaultPlan] = field(default_factory=list)
     injected: int = 0
@@ -121,6 +128,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         state: _State = self.server.state
         body = self._body()
+        if state.throttle is not None:
+            for _ in state.throttle.chunks(body):  # the upload crosses the node's link
+                pass
         fault = state.decide(self.command, self.path)
         if fault == "reset":
             # SO_LINGER with a zero timeout makes close() send RST: a dropped connection.
@@ -161,19 +171,28 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         self.send_header("Content-Length", head_length or str(len(body)))
         self.end_headers()
-        if body:
-            self.wfile.write(body)
+        throttle: Throttle | None = self.server.state.throttle
+        if throttle is None:
+            if body:
+                self.wfile.write(body)
+            return
+        for chunk in throttle.chunks(body):
+            self.wfile.write(chunk)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
 
 class FaultInjectingProxy:
-    """HTTP proxy on ``127.0.0.1`` in front of ``upstream_host:upstream_port``."""
+    """HTTP proxy on ``127.0.0.1`` in front of ``upstream_host:upstream_port``; with
+    ``throttle``, request and answer bodies pass at most at its rate (see the module doc)."""
 
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+    def __init__(
+        self, upstream_host: str, upstream_port: int, throttle: Throttle | None = None
+    ) -> None:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._server.daemon_threads = True
-        self._server.state = _State((upstream_host, upstream_port))  # type: ignore[attr-defined]
+        state = _State((upstream_host, upstream_port), throttle)
+        self._server.state = state  # type: ignore[attr-defined]
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.1},

@@ -7,7 +7,11 @@ Each benchmark is a module of the package with a ``main(argv)`` that prints its 
   state shapes, against a single-thread memcpy of the same bytes and ``dcp.async_save``;
 * ``local_ckpt`` (:mod:`.local_load`): local checkpoint save against ``dd conv=fsync``, load
   against a raw cold read of the same files, and load after losing a clique member;
-* ``dcp_load`` (:mod:`.dcp_load`): ``dcp.load`` with our reader against torch's.
+* ``dcp_load`` (:mod:`.dcp_load`): ``dcp.load`` with our reader against torch's;
+* ``tiered_recovery`` (:mod:`.tiered_recovery`): restore after a node loss, durable stall;
+* ``restore_scale`` (:mod:`.restore_scale`, only with ``--only``: it needs ``moto[server]``
+  and the ``msc`` extra): read-once restores from a bandwidth-limited object store at
+  2 to 16 ranks, and the census of a steady save's collectives, projected to large jobs.
 
 This module chooses the arguments (``--quick`` for a short run, ``--dir`` for the storage
 to measure), runs the benchmarks one after the other in this process (each spawns its ranks)
@@ -34,7 +38,9 @@ _MODULES = {
     "local_ckpt": "resilient_ckpt.cli.bench.local_load",
     "dcp_load": "resilient_ckpt.cli.bench.dcp_load",
     "tiered_recovery": "resilient_ckpt.cli.bench.tiered_recovery",
+    "restore_scale": "resilient_ckpt.cli.bench.restore_scale",
 }
+ALL_BENCHMARKS = list(_MODULES)
 
 
 def bench_defaults(name: str, quick: bool) -> list[str]:
@@ -52,6 +58,8 @@ def bench_defaults(name: str, quick: bool) -> list[str]:
         return ["--ranks", "2", "--size", "32M", "--repeats", "3"]
     if name == "tiered_recovery":
         return ["--ranks", "2", "--size-mib", "16", "--repeats", "2"]
+    if name == "restore_scale":
+        return ["--quick"]
     return []
 
 
