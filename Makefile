@@ -35,7 +35,7 @@ demo: $(STAMP)
 # The site (mkdocs.yml, pages in docs/, the API reference made from the docstrings) into
 # site/. --strict: a broken link, a missing page or a docstring mkdocstrings cannot read fails.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/resilient-ckpt bench --quick
