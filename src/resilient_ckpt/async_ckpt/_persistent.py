@@ -12,7 +12,7 @@ requests in flight.
   main module into the child, so a script without an ``if __name__ == "__main__":`` guard
   (the first script a user writes, a ``python -c`` program, a notebook cell) ran its
   training again in the worker and killed it. The worker imports the main module only for
-  a request that names one of its functions (:mod:`._main_module`). Spawn has no public
+  a request that names one of its functions (see :mod:`._worker`). Spawn has no public
   switch to skip that import; ``subprocess`` and a connection are public and as simple.
 * **Handshake.** The worker is used once its ``Hello`` arrives within
   ``timeouts.worker_start``; one that exits first is reported with its exit code (its
@@ -58,7 +58,7 @@ from ..errors import (
     InvalidRequestError,
     WorkerDiedError,
 )
-from . import _main_module, _reports, _worker
+from . import _reports, _worker
 from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, AsyncRequest, LocalStatus, State, exit_description, failure_error
 from ._copy import DeviceOrder, check_copy_threads, make_side_streams, warm_threads
@@ -258,7 +258,7 @@ class PersistentAsyncCaller(AsyncCaller):
                     is_daemon=self.is_daemon,
                     name=f"resilient_ckpt-worker-{self.rank}",
                     argv=tuple(sys.argv),
-                    main_module=_main_module.describe(),
+                    main_module=_worker.describe_main(),
                     authkey=bytes(mp.current_process().authkey),
                 )
             )

@@ -29,7 +29,8 @@ batched too (:class:`TensorDict`).
 
 Worker side (:func:`unstage`): unpickling rebuilds each descriptor as a tensor whose storage is
 exactly its slot of the arena, one storage per slot. A function or class of the trainer's
-``__main__`` is found through :mod:`._main_module`, which imports that module only then.
+``__main__`` is found through :class:`._worker.MainAwareUnpickler`, which imports that module
+only then.
 
 Overlapped staging (``schedule_async_request(..., overlap_staging=True)``): the call returns
 at once and the whole of :func:`stage` (pickling, the staging cache's check, the arena, the
@@ -133,9 +134,8 @@ from ._copy import (
     start_copies,
     storage_key,
 )
-from ._main_module import Unpickler
 from ._stage_cache import StageCache
-from ._worker import Slot, SlotTable
+from ._worker import MainAwareUnpickler, Slot, SlotTable
 
 logger = get_logger(__name__)
 
@@ -616,7 +616,7 @@ def unstage(payload: bytes, arena: Arena | None, slots: tuple[Slot, ...]) -> Any
     _unstaging.arena, _unstaging.slots, _unstaging.storages = arena, slots, {}
     try:
         # Finds the trainer's __main__ names, importing that module only if asked to.
-        obj = Unpickler(io.BytesIO(payload)).load()
+        obj = MainAwareUnpickler(io.BytesIO(payload)).load()
     except BaseException:
         pending_sparse_tensors().clear()
         raise
