@@ -9,6 +9,7 @@ Each benchmark is a module of the package with a ``main(argv)`` that prints its 
   against a raw cold read of the same files, and load after losing a clique member;
 * ``dcp_load`` (:mod:`.dcp_load`): ``dcp.load`` with our reader against torch's;
 * ``tiered_recovery`` (:mod:`.tiered_recovery`): restore after a node loss, durable stall;
+  with ``-- --durable s3`` its durable tier is ``restore_scale``'s bandwidth-limited store;
 * ``restore_scale`` (:mod:`.restore_scale`, only with ``--only``: it needs ``moto[server]``
   and the ``msc`` extra): read-once restores from a bandwidth-limited object store at
   2 to 16 ranks, and the census of a steady save's collectives, projected to large jobs.

@@ -53,6 +53,21 @@ def require_object_store_packages() -> None:
         )
 
 
+def describe_limit(rate: float, ranks_per_node: int) -> str:
+    """The durable tier and its limit, and why the limit is what it is, as the benchmarks that
+    use this store print it."""
+    return (
+        f"durable tier: moto's S3 API server on loopback, each simulated node of "
+        f"{ranks_per_node} ranks behind its own proxy limited to {rate / 1e6:g} MB/s (uploads "
+        "and downloads together). Why: a restore on a cluster is limited by each node's share "
+        "of the shared file system or object store (typically 0.2-2 GB/s per node); the state "
+        "here is MiBs per rank instead of GiBs, so the limit is scaled down with it, far enough "
+        "below what the loopback server and this machine's cores can serve that the links, not "
+        "the CPUs, set the restore time. Peer traffic (gloo) is not limited: on a cluster it "
+        "takes the interconnect."
+    )
+
+
 @dataclass(frozen=True)
 class Nodes:
     """What a rank needs to reach the store: its node's MSC config file."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ._s3_nodes import storage_ops
+from ._s3_nodes import describe_limit, storage_ops
 from ._scale_model import FORMULAS, Line, Network, Term, grows
 from .common import human, print_table
 
@@ -454,16 +454,7 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, An
         f"{torch.__version__}, {os.cpu_count()} CPUs; launch seconds per W: "
         + ", ".join(f"{r['world']}: {r['seconds']:.0f}" for r in runs)
     )
-    print(
-        f"durable tier: moto's S3 API server on loopback, each simulated node of {args.per_node} "
-        f"ranks behind its own proxy limited to {rate / 1e6:g} MB/s (uploads and downloads "
-        "together). Why: a restore on a cluster is limited by each node's share of the shared "
-        "file system or object store (typically 0.2-2 GB/s per node); the state here is MiBs "
-        "per rank instead of GiBs, so the limit is scaled down with it, far enough below what "
-        "the loopback server and this machine's cores can serve that the links, not the "
-        "CPUs, set the restore time. Peer traffic (gloo) is not limited: on a cluster it "
-        "takes the interconnect."
-    )
+    print(describe_limit(rate, args.per_node))
     print(
         "reference: dcp.load with torch's FileSystemReader over the object store "
         "(multi-storage-client's MultiStorageFileSystemReader: torch's reader with MSC's file "

@@ -21,8 +21,20 @@ Restores are job times (a barrier before, a barrier after) of a fresh manager's 
 into a zeroed state (the manager's start-up, the same for both tiers, is not counted),
 checked bit-exact against what was saved and against the tier the manager reports.
 
+A durable tier on this machine's disk is as fast as the peers, which is not what a cluster
+has. With ``--durable s3`` the durable tier is instead an ``msc://`` prefix on moto's S3 API
+server on loopback, each simulated node's ranks (and their background writers) reaching it
+through their node's own proxy limited to ``--node-rate`` bytes per second
+(:mod:`._s3_nodes`, the store of the ``restore_scale`` benchmark): every durable save and
+durable restore crosses the node's link, while the peers' traffic after a node loss takes
+the process group, unlimited, as it takes the interconnect on a cluster. The durable restore
+is then cold by construction (nothing on a rank caches objects), and its reference is a raw
+download of the objects each rank's restore downloaded, through the same link. This mode
+needs ``moto[server]`` and the ``msc`` extra.
+
 Run by ``resilient-ckpt bench --only tiered_recovery [-- --ranks 4 --size-mib 64]`` (the
-durable tier under ``--dir``) or ``python benchmarks/tiered_recovery.py``.
+durable tier under ``--dir``; with ``--durable s3`` the store's config files go there) or
+``python benchmarks/tiered_recovery.py``.
 """
 
 from __future__ import annotations
@@ -36,18 +48,40 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from resilient_ckpt.errors import ConfigurationError
+from resilient_ckpt.storage import get_backend
 from resilient_ckpt.testing import launch
 from resilient_ckpt.tiered import TieredCheckpointManager
 
-from .common import evict, raw_read
+from ._s3_nodes import (
+    PROFILE,
+    Nodes,
+    ThrottledObjectStore,
+    describe_limit,
+    require_object_store_packages,
+)
+from .common import evict, parse_size, raw_read
 
 TENSORS = 16
 DURABLE_EVERY = 2
+NODES = 2
+# The restore_scale benchmark's limit: the same bandwidth-limited durable tier.
+DEFAULT_NODE_RATE = 16 * 10**6
+
+
+@dataclass(frozen=True)
+class Durable:
+    """Where the durable tier is: a directory, or an ``msc://`` URL that each rank reaches
+    through its node's proxy (``nodes``)."""
+
+    url: str
+    nodes: Nodes | None = None
 
 
 def _state(rank: int, nbytes: int) -> dict[str, Any]:
@@ -81,6 +115,17 @@ def _files(root: str) -> list[str]:
     return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
 
 
+def _download(paths: Sequence[str]) -> int:
+    """Download ``paths`` whole (what the durable reader does with an object) and read each
+    through in 8 MiB pieces; the bytes read."""
+    total = 0
+    for path in paths:
+        with get_backend(path).open_read(path) as f:
+            while piece := f.read(8 << 20):
+                total += len(piece)
+    return total
+
+
 def _memcpy_floor(state: dict[str, Any], repeats: int) -> float:
     tensors = list(state["model"].values())
     dst = [torch.empty_like(t).share_memory_() for t in tensors]
@@ -94,11 +139,15 @@ def _memcpy_floor(state: dict[str, Any], repeats: int) -> float:
 
 
 class _Run:
-    def __init__(self, rank: int, world: int, memory: str, durable: str, nbytes: int) -> None:
+    def __init__(self, rank: int, world: int, memory: str, durable: Durable, nbytes: int) -> None:
         self.rank, self.world = rank, world
-        self.memory, self.durable = memory, durable
+        self.memory, self.durable = memory, durable.url
+        self.on_store = durable.nodes is not None
+        if durable.nodes is not None:
+            durable.nodes.use_node(rank)  # before the manager starts its writer
         self.state = _state(rank, nbytes)
         self.node1 = list(range(world // 2, world))
+        self.served: list[str] = []  # the durable objects this rank's last restore read
 
     def node_dir(self) -> str:
         """This rank's node's memory tier: one directory per simulated node, as node-local
@@ -140,7 +189,10 @@ class _Run:
         mgr = self.manager()
         into = _zeros_like(self.state)
         seconds, got = _timed(lambda: mgr.load(into))
-        used = (getattr(mgr, "last_restore", None) or {}).get("tier")
+        last = getattr(mgr, "last_restore", None) or {}
+        used = last.get("tier")
+        # A file received from a peer is named "rank N"; one read here, by its path.
+        self.served = [p for p in last.get("files", {}).values() if not p.startswith("rank ")]
         mgr.close()
         if (got, used) != (step, tier):
             raise RuntimeError(
@@ -169,27 +221,42 @@ class _Run:
         return seconds
 
     def from_durable_cold(self, step: int) -> tuple[float, float, int]:
+        """The durable restore with the memory tier hidden, and its raw reference; the
+        durable bytes the reference read, summed over ranks."""
         aside = f"{self.memory}.hidden"
         if self.rank == 0:
             os.rename(self.memory, aside)
             os.makedirs(self.memory)
-            evict(_files(self.durable))
+            if not self.on_store:
+                evict(_files(self.durable))
         dist.barrier()  # no rank's manager may see the memory tier
         seconds = self.restore(step, "durable")
-        if self.rank == 0:
-            evict(_files(self.durable))
-        mine = _files(self.durable)[self.rank :: self.world]
-        raw, _ = _timed(lambda: raw_read(mine))
-        nbytes = sum(os.path.getsize(path) for path in mine)
+        raw, nbytes = self._raw_reference()
         dist.barrier()
         if self.rank == 0:
             shutil.rmtree(self.memory)
             os.rename(aside, self.memory)
         dist.barrier()
-        return seconds, raw, int(_worst(float(nbytes)))
+        total = torch.tensor([nbytes], dtype=torch.float64)
+        dist.all_reduce(total)
+        return seconds, raw, int(total.item())
+
+    def _raw_reference(self) -> tuple[float, int]:
+        """On disk: a cold raw read of this rank's share of the durable files. On the
+        object store: a download of the objects this rank's restore read, through its
+        node's link (the store caches nothing on the ranks' side, so it is cold)."""
+        if self.on_store:
+            mine = self.served
+            raw, nbytes = _timed(lambda: _download(mine))
+            return raw, int(nbytes)
+        if self.rank == 0:
+            evict(_files(self.durable))
+        files = _files(self.durable)[self.rank :: self.world]
+        raw, _ = _timed(lambda: raw_read(files))
+        return raw, sum(os.path.getsize(path) for path in files)
 
 
-def _run(rank: int, world: int, memory: str, durable: str, nbytes: int, repeats: int) -> Any:
+def _run(rank: int, world: int, memory: str, durable: Durable, nbytes: int, repeats: int) -> Any:
     run = _Run(rank, world, memory, durable, nbytes)
     floor = _worst(_memcpy_floor(run.state, repeats))
     memory_only, durable_stalls, step = run.stalls(repeats)
@@ -204,100 +271,174 @@ def _run(rank: int, world: int, memory: str, durable: str, nbytes: int, repeats:
         "restore_memory": statistics.median(node_loss),
         "restore_durable": statistics.median(c[0] for c in cold),
         "raw_read_durable": statistics.median(c[1] for c in cold),
+        "durable_bytes": cold[0][2],
         "step": step,
     }
 
 
+_EPILOG = """\
+--durable s3 puts the durable tier on moto's S3 API server on loopback, each simulated
+node's ranks behind their node's own proxy limited to --node-rate (uploads and downloads
+together), the limited store of the restore_scale benchmark: on a cluster a durable restore
+is limited by each node's share of the shared file system or object store, while a
+restore from the memory tier after a node loss takes the interconnect (here the process
+group, not limited). Needs: pip install 'resilient-ckpt[msc]' 'moto[server]' pyyaml.
+"""
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="tiered_recovery", description=(__doc__ or "").splitlines()[0]
+        prog="tiered_recovery",
+        description=(__doc__ or "").splitlines()[0],
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--ranks", type=int, default=4, help="even: two simulated nodes")
     parser.add_argument("--size-mib", type=int, default=64, help="state per rank")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-root", default="/dev/shm", help="parent of the memory tier")
     parser.add_argument(
-        "--durable-root", "--dir", default=None, help="parent of the durable tier (your storage)"
+        "--durable",
+        choices=("disk", "s3"),
+        default="disk",
+        help="durable tier: a directory under --dir (default), or an S3 API server on "
+        "loopback behind a bandwidth limit per simulated node (see below)",
     )
+    parser.add_argument(
+        "--node-rate",
+        type=parse_size,
+        default=DEFAULT_NODE_RATE,
+        help="with --durable s3: bytes/s of each simulated node's link to the store "
+        f"(K/M/G are binary; default {DEFAULT_NODE_RATE / 1e6:g} MB/s, as restore_scale)",
+    )
+    parser.add_argument(
+        "--durable-root",
+        "--dir",
+        default=None,
+        help="parent of the durable tier (your storage); with --durable s3, of the store's "
+        "config files",
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the launch")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.ranks < 2 or args.ranks % 2:
         parser.error(f"--ranks must be even and >= 2 (two simulated nodes), got {args.ranks}")
     if args.size_mib < 1 or args.repeats < 1:
         parser.error("--size-mib and --repeats must be >= 1")
+    if args.node_rate <= 0:
+        parser.error(f"--node-rate must be > 0 bytes/s, got {args.node_rate}")
     return args
 
 
-def _print(args: argparse.Namespace, r: dict[str, Any]) -> None:
-    ms = 1e3
+def _durable_name(args: argparse.Namespace) -> str:
+    """The durable figure's name, saying where the tier was."""
+    if args.durable == "s3":
+        return f"durable on S3, {args.node_rate / 1e6:g} MB/s per node"
+    return "durable, cold"
+
+
+def _link_seconds(args: argparse.Namespace, r: dict[str, Any]) -> float:
+    """What a node's link alone needs for the node's share of the durable bytes."""
+    return r["durable_bytes"] / NODES / args.node_rate
+
+
+def _rows(args: argparse.Namespace, r: dict[str, Any]) -> list[tuple[str, float, str, str]]:
+    durable = r["restore_durable"]
+    than = "durable" if args.durable == "s3" else "durable cold"
     rows = [
-        ("memcpy into shared memory (floor)", r["memcpy"] * ms, "", ""),
-        ("save stall, memory tier only", r["stall_memory"] * ms, "", ""),
+        ("memcpy into shared memory (floor)", r["memcpy"], "", ""),
+        ("save stall, memory tier only", r["stall_memory"], "", ""),
         (
             "save stall, memory + durable",
-            r["stall_durable"] * ms,
+            r["stall_durable"],
             f"{r['stall_durable'] / r['stall_memory']:.2f}x memory-only",
             "<= 1.1x",
         ),
         (
             "restart, memory tier intact",
-            r["restore_restart"] * ms,
-            f"durable cold = {r['restore_durable'] / r['restore_restart']:.2f}x this",
+            r["restore_restart"],
+            f"{than} = {durable / r['restore_restart']:.2f}x this",
             "",
         ),
         (
             "restore after node loss (memory tier)",
-            r["restore_memory"] * ms,
-            f"durable cold = {r['restore_durable'] / r['restore_memory']:.2f}x this",
+            r["restore_memory"],
+            f"{than} = {durable / r['restore_memory']:.2f}x this",
             ">= 3x",
         ),
-        (
-            "restore same step, durable, cold cache",
-            r["restore_durable"] * ms,
-            "",
-            "",
-        ),
+    ]
+    if args.durable == "s3":
+        return rows + [
+            ("restore same step, durable (S3), cold", durable, "", ""),
+            (
+                "raw download of the same objects",
+                r["raw_read_durable"],
+                f"durable restore = {durable / r['raw_read_durable']:.2f}x this",
+                "",
+            ),
+            (
+                "link time: a node's bytes / node rate",
+                _link_seconds(args, r),
+                f"durable restore = {durable / _link_seconds(args, r):.2f}x this",
+                "",
+            ),
+        ]
+    return rows + [
+        ("restore same step, durable, cold cache", durable, "", ""),
         (
             "raw cold read of the durable files",
-            r["raw_read_durable"] * ms,
-            f"durable restore = {r['restore_durable'] / r['raw_read_durable']:.2f}x this",
+            r["raw_read_durable"],
+            f"durable restore = {durable / r['raw_read_durable']:.2f}x this",
             "",
         ),
     ]
+
+
+def _print(args: argparse.Namespace, r: dict[str, Any]) -> None:
     print(
         f"\ntiered recovery: {args.ranks} ranks (2 simulated nodes), {args.size_mib} MiB per "
         f"rank, step {r['step']}, medians of {args.repeats} (worst rank), torch "
         f"{torch.__version__}, {os.cpu_count()} CPUs"
     )
+    if args.durable == "s3":
+        print(describe_limit(args.node_rate, args.ranks // NODES))
     print(f"{'figure':<40} {'ms':>9}  {'ratio':<34} target")
-    for name, value, ratio, target in rows:
-        print(f"{name:<40} {value:9.2f}  {ratio:<34} {target}")
+    for name, value, ratio, target in _rows(args, r):
+        print(f"{name:<40} {value * 1e3:9.2f}  {ratio:<34} {target}")
+    where = "S3 behind the node's link" if args.durable == "s3" else "cold"
     print(
-        f"\nrecovery from the memory tier vs durable (cold): "
+        f"\nrecovery from the memory tier vs durable ({where}): "
         f"{r['restore_durable'] / r['restore_memory']:.1f}x after a node loss (shards over "
         f"the process group), {r['restore_durable'] / r['restore_restart']:.1f}x on a "
         "restart with every node's tier intact"
     )
+    if args.durable == "s3":
+        share = r["restore_memory"] / r["restore_durable"]
+        met = "met" if share <= 1 / 3 else "NOT met"
+        # Above this rate the link alone no longer makes the durable restore 3x slower.
+        even = r["durable_bytes"] / NODES / (3 * r["restore_memory"])
+        print(
+            f"the restore after a node loss takes {share:.3f} of the durable restore "
+            f"(target: at most 1/3, {met}); from the link time alone, the memory tier stays "
+            f"at least 3x faster for node rates up to {even / 1e6:.0f} MB/s on this machine"
+        )
 
 
 def _write_json(path: str, args: argparse.Namespace, r: dict[str, Any]) -> None:
     case = f"{args.ranks} ranks x {args.size_mib} MiB"
+    if args.durable == "s3":
+        case += f", durable on S3 at {args.node_rate / 1e6:g} MB/s per node"
+    durable = _durable_name(args)
     figures = [
         ("stall", "save, memory + durable", r["stall_durable"], "memory-only save", "<= 1.1x"),
         ("stall", "save, memory only", r["stall_memory"], "memcpy floor", ""),
-        (
-            "recovery",
-            "restore from memory, node lost",
-            r["restore_memory"],
-            "durable, cold",
-            ">= 3x",
-        ),
-        ("recovery", "restore from memory, restart", r["restore_restart"], "durable, cold", ""),
+        ("recovery", "restore from memory, node lost", r["restore_memory"], durable, ">= 3x"),
+        ("recovery", "restore from memory, restart", r["restore_restart"], durable, ""),
     ]
     refs = {
         "memory-only save": r["stall_memory"],
         "memcpy floor": r["memcpy"],
-        "durable, cold": r["restore_durable"],
+        durable: r["restore_durable"],
     }
     document = {
         "benchmark": "tiered_recovery",
@@ -305,6 +446,9 @@ def _write_json(path: str, args: argparse.Namespace, r: dict[str, Any]) -> None:
         "cpus": os.cpu_count(),
         "ranks": args.ranks,
         "size_mib": args.size_mib,
+        "durable": args.durable,
+        "node_rate": float(args.node_rate) if args.durable == "s3" else None,
+        "ranks_per_node": args.ranks // NODES,
         "raw": r,
         "figures": [
             {
@@ -324,23 +468,46 @@ def _write_json(path: str, args: argparse.Namespace, r: dict[str, Any]) -> None:
         json.dump(document, f, indent=2)
 
 
+def _launch(args: argparse.Namespace, memory: str, durable: Durable) -> Any:
+    return launch(
+        _run,
+        args.ranks,
+        memory,
+        durable,
+        args.size_mib << 20,
+        args.repeats,
+        timeout=args.timeout,
+        start_method="spawn",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+
+
+def _on_store(args: argparse.Namespace, memory: str, directory: str) -> Any:
+    """The launch with the durable tier on the limited object store (``--durable s3``)."""
+    store = ThrottledObjectStore(directory, float(args.node_rate))
+    try:
+        store.start()
+        nodes = store.open_nodes(NODES, args.ranks // NODES)
+        return _launch(args, memory, Durable(f"msc://{PROFILE}/tiered", nodes))
+    finally:
+        store.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    if args.durable == "s3":
+        try:
+            require_object_store_packages()
+        except ConfigurationError as exc:
+            print(f"tiered_recovery: {exc}", file=sys.stderr)
+            return 2
     memory = tempfile.mkdtemp(prefix="rc_tiered_bench_", dir=args.memory_root)
     durable_parent = tempfile.mkdtemp(prefix="rc_tiered_bench_", dir=args.durable_root)
-    durable = os.path.join(durable_parent, "durable")
     try:
-        results = launch(
-            _run,
-            args.ranks,
-            memory,
-            durable,
-            args.size_mib << 20,
-            args.repeats,
-            timeout=600,
-            start_method="spawn",
-            env={"OMP_NUM_THREADS": "1"},
-        )
+        if args.durable == "s3":
+            results = _on_store(args, memory, durable_parent)
+        else:
+            results = _launch(args, memory, Durable(os.path.join(durable_parent, "durable")))
     finally:
         for path in (memory, f"{memory}.aside", f"{memory}.hidden"):  # also after a failure
             shutil.rmtree(path, ignore_errors=True)
