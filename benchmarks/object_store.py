@@ -50,12 +50,10 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
+from resilient_ckpt.cli.bench._s3_nodes import ACCESS_KEY, REGION, SECRET_KEY, write_profile
 from resilient_ckpt.storage import get_backend
 from resilient_ckpt.testing.launcher import launch
 
-REGION = "us-east-1"
-ACCESS_KEY = "bench-access-key"
-SECRET_KEY = "bench-secret-key"
 PROFILE = "bench-s3"
 
 
@@ -78,23 +76,6 @@ def _s3_client(cfg: Config) -> Any:
         aws_access_key_id=ACCESS_KEY,
         aws_secret_access_key=SECRET_KEY,
     )
-
-
-def _write_profile(path: str, endpoint: str, bucket: str) -> None:
-    import yaml
-
-    profile = {
-        "storage_provider": {
-            "type": "s3",
-            "options": {"base_path": bucket, "endpoint_url": endpoint, "region_name": REGION},
-        },
-        "credentials_provider": {
-            "type": "S3Credentials",
-            "options": {"access_key": ACCESS_KEY, "secret_key": SECRET_KEY},
-        },
-    }
-    with open(path, "w") as f:
-        yaml.safe_dump({"profiles": {PROFILE: profile}}, f)
 
 
 class _Methods:
@@ -222,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         _s3_client(cfg).create_bucket(Bucket=cfg.bucket)
         with tempfile.TemporaryDirectory() as tmp:
             config_path = os.path.join(tmp, "msc_config.yaml")
-            _write_profile(config_path, cfg.endpoint, cfg.bucket)
+            write_profile(config_path, cfg.endpoint, cfg.bucket, PROFILE)
             os.environ["MSC_CONFIG"] = config_path  # the spawned ranks inherit it
             per_rank = launch(_rank, 2, cfg, timeout=1800)
         _report(cfg, per_rank)

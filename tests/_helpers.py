@@ -223,3 +223,14 @@ LIST_STATE_CHANGES: list[tuple[str, Callable[[list[torch.Tensor]], None]]] = [
     ("one more", lambda ts: ts.append(torch.rand(2, 2))),
     ("one less", lambda ts: ts.pop()),
 ]
+
+
+class RunsCode:
+    """Pickles as a call of ``os.mkdir(marker)``: unpickling it freely creates the marker
+    directory, so a test of a reader that must not run a file's code asserts it is absent."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.mkdir, (self.marker,))

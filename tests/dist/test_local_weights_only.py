@@ -18,7 +18,7 @@ import pytest
 from resilient_ckpt.errors import UnsafeCheckpointError
 from resilient_ckpt.local import BasicTensorAwareStateDict
 from resilient_ckpt.testing import launch
-from tests._helpers import safe_globals
+from tests._helpers import RunsCode, safe_globals
 
 from .local_ckpt_utils import (
     assert_same,
@@ -32,14 +32,6 @@ from .local_ckpt_utils import (
 )
 
 pytestmark = pytest.mark.dist
-
-
-class RunsCode:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (os.mkdir, (self.marker,))
 
 
 @dataclasses.dataclass

@@ -24,20 +24,12 @@ import torch.distributed as dist
 
 from resilient_ckpt.errors import UnsafeCheckpointError
 from resilient_ckpt.testing import launch
-from tests._helpers import safe_globals
+from tests._helpers import RunsCode, safe_globals
 
 from ._app import App, reference, same, train
 from ._jobs import manager, run
 
 pytestmark = [pytest.mark.dist]
-
-
-class RunsCode:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (os.mkdir, (self.marker,))
 
 
 @dataclasses.dataclass

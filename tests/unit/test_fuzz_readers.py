@@ -29,22 +29,13 @@ import pytest
 import torch
 
 from resilient_ckpt.testing import launch
+from tests._helpers import RunsCode
 
 pytestmark = pytest.mark.timeout(240)
 
 SEED = 37
 CASES = 12  # damaged copies of each file kind; each runs every reader of that kind
 MARKER = "code-ran"
-
-
-class _RunsCode:
-    """A pickled object that would create a marker directory when unpickled."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (os.mkdir, (self.path,))
 
 
 def _damages(rng: random.Random, size: int, n: int) -> Iterator[tuple[str, Callable]]:
@@ -252,7 +243,7 @@ def _fuzz(rank: int, world: int, kind: str, root: str) -> list[str]:
     cases = list(_damages(rng, len(data), CASES))
     marker = os.path.join(root, MARKER)
     if is_pickle:
-        cases.append(("code", lambda _: pickle.dumps(_RunsCode(marker))))
+        cases.append(("code", lambda _: pickle.dumps(RunsCode(marker))))
     problems: list[str] = []
     for i, (label, damage) in enumerate(cases):
         case = os.path.join(root, f"case{i}")

@@ -19,18 +19,10 @@ import torch
 from resilient_ckpt.errors import ConfigurationError, UnsafeCheckpointError
 from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager, _nvrx_format
 from resilient_ckpt.utils import diff
-from tests._helpers import safe_globals
+from tests._helpers import RunsCode, safe_globals
 from tests.compat._local_states import HostOnlyStateDict, write_like_nvrx, write_nvrx_basic
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class RunsCode:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (os.mkdir, (self.marker,))
 
 
 @dataclasses.dataclass

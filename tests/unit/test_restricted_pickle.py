@@ -20,17 +20,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from resilient_ckpt import _restricted_pickle
 from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
-from tests._helpers import safe_globals
+from tests._helpers import RunsCode, safe_globals
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class _RunsCode:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (os.mkdir, (self.marker,))
 
 
 @pytest.fixture
@@ -56,7 +48,7 @@ def test_loads_torch_metadata_like_pickle(metadata_file):
 
 def test_refuses_code_before_running_it(tmp_path):
     marker = tmp_path / "ran"
-    data = pickle.dumps(_RunsCode(str(marker)))
+    data = pickle.dumps(RunsCode(str(marker)))
     with pytest.raises(UnsafeCheckpointError, match=r"evil\.metadata.*posix\.mkdir") as info:
         _restricted_pickle.loads(data, path="evil.metadata")
     assert info.value.name == "posix.mkdir" and info.value.path == "evil.metadata"
@@ -91,7 +83,7 @@ def test_garbage_in_a_file_is_not_called_empty(tmp_path):
 
 def test_trusted_loads_any_global_with_the_same_named_errors(tmp_path):
     marker = tmp_path / "ran"
-    data = pickle.dumps(_RunsCode(str(marker)))
+    data = pickle.dumps(RunsCode(str(marker)))
     assert _restricted_pickle.loads(data, path="x", trusted=True) is None
     assert marker.exists()
     with pytest.raises(CorruptCheckpointError, match="x: is empty"):
@@ -170,7 +162,7 @@ def test_state_mode_restricts_nested_pickles_too(tmp_path):
     plain = pickle.dumps({"a": _Spliced([1, 2])})
     assert _restricted_pickle.load_state(io.BytesIO(plain), path="p") == {"a": [1, 2]}
     marker = tmp_path / "ran"
-    evil = pickle.dumps({"a": _Spliced(_RunsCode(str(marker)))})
+    evil = pickle.dumps({"a": _Spliced(RunsCode(str(marker)))})
     with pytest.raises(UnsafeCheckpointError, match="posix.mkdir"):
         _restricted_pickle.load_state(io.BytesIO(evil), path="p")
     assert not marker.exists()
@@ -181,7 +173,7 @@ def test_state_mode_restricts_nested_pickles_too(tmp_path):
 def test_torch_load_names_the_refused_global(tmp_path):
     marker = tmp_path / "ran"
     buffer = io.BytesIO()
-    torch.save({"x": _RunsCode(str(marker))}, buffer)
+    torch.save({"x": RunsCode(str(marker))}, buffer)
     with pytest.raises(UnsafeCheckpointError) as info:
         _restricted_pickle.torch_load(buffer.getvalue(), path="f.pt")
     assert not marker.exists()

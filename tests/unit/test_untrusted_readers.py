@@ -29,19 +29,9 @@ from resilient_ckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from resilient_ckpt.tiered import _restore
 from resilient_ckpt.tiered._layout import scan_memory, step_name
 from resilient_ckpt.tiered._reader import VerifyingReader
-from tests._helpers import safe_globals
+from tests._helpers import RunsCode, safe_globals
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
-
-
-class RunsCode:
-    """Pickles as a call of ``os.mkdir(marker)``: unpickling it freely creates the marker."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (os.mkdir, (self.marker,))
 
 
 @dataclasses.dataclass

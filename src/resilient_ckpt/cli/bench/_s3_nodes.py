@@ -112,7 +112,7 @@ class ThrottledObjectStore:
             proxy = FaultInjectingProxy(host, port, throttle=throttle)
             self.proxies.append(proxy)
             path = os.path.join(self.directory, f"msc_node{node}.yaml")
-            _write_profile(path, proxy.endpoint, self.bucket)
+            write_profile(path, proxy.endpoint, self.bucket)
             configs.append(path)
         return Nodes(tuple(configs), ranks_per_node)
 
@@ -168,7 +168,9 @@ class ThrottledObjectStore:
         s3.delete_bucket(Bucket=self.bucket)
 
 
-def _write_profile(path: str, endpoint: str, bucket: str) -> None:
+def write_profile(path: str, endpoint: str, bucket: str, profile_name: str = PROFILE) -> None:
+    """An MSC config file at ``path`` with one profile for ``bucket`` on the S3 API server at
+    ``endpoint`` (the benchmarks' region and credentials)."""
     import yaml
 
     profile = {
@@ -182,7 +184,7 @@ def _write_profile(path: str, endpoint: str, bucket: str) -> None:
         },
     }
     with open(path, "w") as f:
-        yaml.safe_dump({"profiles": {PROFILE: profile}}, f)
+        yaml.safe_dump({"profiles": {profile_name: profile}}, f)
 
 
 def _operation(method: str, path: str) -> tuple[str, str]:
