@@ -9,9 +9,10 @@ file runs whatever globals it names. So by default every pickle it reads is load
 * user state (a ``torch.save`` file, a DCP checkpoint's non-tensor items) with
   ``torch.load(weights_only=True)``: tensors, containers and plain values, and the classes
   the user allowed with ``torch.serialization.add_safe_globals``;
-* a local checkpoint's state is refused: its shards are read by unpickling their header in
-  full (``resilient_ckpt.local`` has no restricted reader), so only ``--trust`` reads them.
-  Verifying one needs no unpickling (its checksums are checked on the bytes).
+* a local checkpoint's state in the managers' safe mode (``weights_only=True``: plain
+  values, the format's own classes, the globals marked safe; see
+  :mod:`.local_checkpoints`). Verifying one needs no unpickling (its checksums are checked
+  on the bytes).
 
 ``--trust`` (``trusted=True`` in Python) unpickles in full, as ``torch.load(weights_only=
 False)`` does. Every failure becomes a named error carrying the file and what is wrong with
