@@ -27,6 +27,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .. import _restricted_pickle
 from ..async_ckpt.filesystem_async import FILE_TABLE_ATTR
 from ..errors import (
     CheckpointingException,
@@ -35,7 +36,6 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..tiered._layout import METADATA_NAME, StepListing, scan_memory
-from . import _trust
 
 _CHUNK = 8 << 20
 
@@ -69,7 +69,7 @@ def is_memory_root(path: str) -> bool:
 
 def _read_table(metadata_path: str, trusted: bool) -> tuple[dict[str, tuple[int, int]], int | None]:
     with open(metadata_path, "rb") as f:
-        metadata = _trust.load_pickle(f, path=metadata_path, trusted=trusted, expect=Metadata)
+        metadata = _restricted_pickle.load(f, path=metadata_path, expect=Metadata, trusted=trusted)
     table = getattr(metadata, FILE_TABLE_ATTR, None) or {}
     files = {name: (int(s), int(c)) for name, (s, c) in dict(table.get("files", {})).items()}
     ranks = {name[2:].split("_", 1)[0] for name in files if name.startswith("__")}
