@@ -172,6 +172,22 @@ def test_user_marked_globals_extend_the_metadata_allow_list(tmp_path, good_metad
     assert loaded.planner_data == {"origin": Point(1, 2)}
 
 
+def test_a_trusted_commit_record_reads_in_full(tmp_path, good_metadata):
+    """The command line's --trust: every global allowed, the same named damage errors."""
+    marker = tmp_path / "ran"
+    metadata = pickle.loads(good_metadata)
+    metadata.planner_data = {"innocent": RunsCode(str(marker))}
+    metadata.resilient_ckpt_files = {"algorithm": "crc32", "files": {"__0_0.distcp": (8, 5)}}
+    record = pickle.dumps(metadata)
+    with pytest.raises(UnsafeCheckpointError):
+        _restore.record_table(record, "r")
+    assert not marker.exists()
+    assert _restore.record_table(record, "r", trusted=True) == {"__0_0.distcp": (8, 5)}
+    assert marker.exists()
+    with pytest.raises(CorruptCheckpointError, match="^r: is empty$"):
+        _restore.record_table(b"", "r", trusted=True)
+
+
 def test_tiered_restore_treats_bad_records_as_unavailable(tmp_path, good_metadata, caplog):
     marker = tmp_path / "ran"
     memory = tmp_path / "mem"
