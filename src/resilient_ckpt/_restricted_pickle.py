@@ -343,10 +343,11 @@ def torch_load(
 
 def _refusal(path: str, refused: list[str], trust_advice: str) -> UnsafeCheckpointError:
     names, several = ", ".join(refused), len(refused) > 1
+    them = "them" if several else "it"
     return UnsafeCheckpointError(
         f"{path}: refused to load the global{'s' if several else ''} {names}: torch's safe "
-        f"loader (weights_only=True) does not allow {'them' if several else 'it'}, as "
-        "loading it could run code from the file; nothing was imported or run. "
+        f"loader (weights_only=True) does not allow {them}, as loading {them} could run code "
+        "from the file; nothing was imported or run. "
         + _HOW_TO_ALLOW.format(name=names)
         + f"; or, if you trust where the file came from, {trust_advice}",
         path=path,
