@@ -24,7 +24,10 @@ a local checkpoint's pickled state with :func:`load_state`: the same unpickler, 
 plain values (torch's default ``weights_only`` list: builtin containers, ``torch.device``
 and the like), the caller's format classes, and the user's safe globals; what a
 ``torch.save`` archive holds goes through :func:`torch_load`, torch's own
-``weights_only`` load, whose refusals are turned into the same named error.
+``weights_only`` load, whose refusals are turned into the same named error, and its
+failures on a damaged file into the same :class:`~resilient_ckpt.errors.CorruptCheckpointError`.
+It is the package's one safe ``torch.load`` (the command-line tool's too, whose ``--trust``
+takes its ``trusted`` path: the same named errors for a damaged file, without the allow-list).
 """
 
 from __future__ import annotations
@@ -42,8 +45,13 @@ from typing import IO, Any, cast
 
 import torch
 
-from ._torch_compat import dcp_metadata_globals, extra_safe_globals, user_safe_globals
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from ._torch_compat import (
+    dcp_metadata_globals,
+    extra_safe_globals,
+    unsafe_globals_in,
+    user_safe_globals,
+)
+from .errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["load", "load_state", "loads", "torch_load"]
 
@@ -292,37 +300,110 @@ def load_state(
     return _unpickle(file, path, table, refusal, expect)
 
 
-# How torch's weights_only unpickler names a global it refuses (torch 2.4 to 2.13: "GLOBAL
-# m.n was not an allowed global", "unsupported GLOBAL m.n whose module m is blocked").
-_TORCH_REFUSED = re.compile(r"GLOBAL ([\w.]+)")
-
-
 def torch_load(
-    data: bytes | IO[bytes], *, path: str, allowed: Iterable[Any] = (), **kwargs: Any
+    data: bytes | bytearray | memoryview | IO[bytes],
+    *,
+    path: str,
+    trusted: bool = False,
+    allowed: Iterable[Any] = (),
+    trust_advice: str = "load it with weights_only=False",
+    **kwargs: Any,
 ) -> Any:
-    """``torch.load(weights_only=True)`` of a ``torch.save`` archive, with the globals in
-    ``allowed`` (objects, or ``(object, "module.name")`` pairs as torch takes them) allowed
-    during this load besides the user's. A refused global is an
-    :class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming ``path`` and the global."""
+    """``torch.load`` of a ``torch.save`` file: ``data`` is its bytes, or a binary file read
+    from its current position; ``path`` names it in errors; ``kwargs`` go to ``torch.load``
+    (``map_location``, ...).
+
+    Safe unless ``trusted``: ``weights_only=True``, the globals in ``allowed`` (objects, or
+    ``(object, "module.name")`` pairs as torch takes them) allowed during this load besides
+    the user's. A refused global is an :class:`~resilient_ckpt.errors.UnsafeCheckpointError`
+    naming ``path`` and the global, saying how to allow it and, in ``trust_advice``, how the
+    caller's user loads a file they trust. ``trusted``: ``weights_only=False``, the file may
+    run any code. Either way a damaged file (empty, cut short, not a ``torch.save`` file) is a
+    :class:`~resilient_ckpt.errors.CorruptCheckpointError` naming ``path`` and what is
+    wrong; an ``OSError`` (the storage failed, not the file) passes unchanged.
+    """
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    start = _tell(stream)
     try:
-        with extra_safe_globals(list(allowed)):
-            return torch.load(stream, weights_only=True, **kwargs)
-    except pickle.UnpicklingError as exc:
-        found = _TORCH_REFUSED.search(str(exc))
-        name = found.group(1) if found else ""
-        what = f"the global {name}" if name else "an object"
-        raise UnsafeCheckpointError(
-            f"{path}: refused to load {what} (torch.load with weights_only=True: "
-            f"{_first_line(exc)}); nothing was imported or run. "
-            + _HOW_TO_ALLOW.format(name=name or "...")
-            + ", or load with weights_only=False",
-            path=path,
-            name=name,
-        ) from None
+        with extra_safe_globals([] if trusted else list(allowed)):
+            try:
+                return torch.load(stream, weights_only=not trusted, **kwargs)
+            except pickle.UnpicklingError as exc:
+                # Inside the context: the globals allowed for this load are not refused.
+                refused = [] if trusted else _refused_globals(exc, stream, start)
+                if refused:
+                    raise _refusal(path, refused, trust_advice) from None
+                raise
+    except (OSError, CheckpointingException):
+        raise
+    except Exception as exc:  # a damaged file fails in many ways (see _what_is_wrong)
+        what = _what_is_wrong(exc, stream, start)
+        raise CorruptCheckpointError(f"{path}: {what}", path=path) from exc
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    found = next((line for line in lines if _TORCH_REFUSED.search(line)), None)
-    return found or (lines[-1] if lines else type(exc).__name__)
+def _refusal(path: str, refused: list[str], trust_advice: str) -> UnsafeCheckpointError:
+    names, several = ", ".join(refused), len(refused) > 1
+    them = "them" if several else "it"
+    return UnsafeCheckpointError(
+        f"{path}: refused to load the global{'s' if several else ''} {names}: torch's safe "
+        f"loader (weights_only=True) does not allow {them}, as loading {them} could run code "
+        "from the file; nothing was imported or run. "
+        + _HOW_TO_ALLOW.format(name=names)
+        + f"; or, if you trust where the file came from, {trust_advice}",
+        path=path,
+        name=refused[0],
+    )
+
+
+# How torch's weights_only unpickler names a global it refuses in its message (torch 2.4
+# to 2.13: "GLOBAL m.n was not an allowed global", "unsupported GLOBAL m.n whose module m is
+# blocked"): the wording changed between releases, this part did not.
+_TORCH_REFUSED = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
+
+
+def _refused_globals(exc: BaseException, stream: IO[bytes], start: int) -> list[str]:
+    """The globals that made torch refuse the file: read from the archive where this torch
+    can tell (public API), else from torch's message (torch 2.4, legacy-format files);
+    none when the file is merely damaged."""
+    if start >= 0:
+        try:
+            stream.seek(start)
+        except (OSError, ValueError):
+            start = -1
+    found = unsafe_globals_in(stream) if start >= 0 else None
+    if found:
+        return found
+    named = _TORCH_REFUSED.search(str(exc))
+    return [named.group(1)] if named else []
+
+
+def _what_is_wrong(exc: BaseException, stream: IO[bytes], start: int) -> str:
+    """What a ``torch.load`` failure says about the file: empty, cut short, or unreadable
+    (in torch's own words, first line: zip archives, its legacy format and the pickle
+    inside fail each in their own way, from ``RuntimeError`` to ``UnicodeDecodeError``)."""
+    size = _size(stream)
+    if size is not None and start >= 0 and size == start:
+        return "is empty"
+    if isinstance(exc, EOFError):
+        return "is truncated (its pickle ends early)"
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:  # torch's safe loader met bytes it cannot read
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
+    if len(line) > 200:
+        line = line[:200] + "..."
+    return f"not a readable torch.save file ({type(exc).__name__}: {line})"
+
+
+def _tell(stream: IO[bytes]) -> int:
+    try:
+        return stream.tell()
+    except (OSError, ValueError, AttributeError):
+        return -1
+
+
+def _size(stream: IO[bytes]) -> int | None:
+    try:
+        return int(stream.seek(0, io.SEEK_END))
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -81,7 +81,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
@@ -106,6 +106,7 @@ __all__ = [
     "storage_info",
     "storage_prefix",
     "storage_type_dtypes",
+    "unsafe_globals_in",
     "user_safe_globals",
     "validate_loaded_sparse_tensors",
     "write_item",
@@ -180,6 +181,22 @@ def extra_safe_globals(allowed: list[Any]) -> Iterator[None]:
         return
     torch.serialization.add_safe_globals([g for g in allowed if not isinstance(g, tuple)])
     yield
+
+
+def unsafe_globals_in(f: IO[bytes]) -> list[str] | None:
+    """The globals (``"module.name"``, sorted) that the ``torch.save`` archive ``f`` (read
+    from its current position, left anywhere) names and a ``weights_only`` load made here
+    would refuse, found without running anything:
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` (torch 2.5 and later). None
+    where that cannot tell: on torch 2.4, which lacks it, and for a file that is no zip
+    archive (torch's legacy format) or one too damaged to read."""
+    find = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if find is None:
+        return None
+    try:
+        return sorted(str(name) for name in find(f))
+    except Exception:  # not an archive, or a damaged one: torch's error says more
+        return None
 
 
 # -- DCP data files ---------------------------------------------------------------------------

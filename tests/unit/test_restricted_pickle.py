@@ -170,19 +170,138 @@ def test_state_mode_restricts_nested_pickles_too(tmp_path):
         _restricted_pickle.loads(plain, path="p")
 
 
+def _torch_saved(obj: object, *, legacy: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, _use_new_zipfile_serialization=not legacy)
+    return buffer.getvalue()
+
+
+class _Other:
+    """A second class no one marked safe (pickled by reference, never run)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
 def test_torch_load_names_the_refused_global(tmp_path):
     marker = tmp_path / "ran"
-    buffer = io.BytesIO()
-    torch.save({"x": RunsCode(str(marker))}, buffer)
+    data = _torch_saved({"x": RunsCode(str(marker)), "t": torch.ones(2)})
     with pytest.raises(UnsafeCheckpointError) as info:
-        _restricted_pickle.torch_load(buffer.getvalue(), path="f.pt")
+        _restricted_pickle.torch_load(data, path="f.pt")
     assert not marker.exists()
     assert info.value.name == "posix.mkdir" and info.value.path == "f.pt"
-    assert str(info.value).startswith("f.pt: refused to load the global posix.mkdir")
-    buffer = io.BytesIO()
-    torch.save({"x": _Setting("k"), "t": torch.ones(2)}, buffer)
-    got = _restricted_pickle.torch_load(buffer.getvalue(), path="f.pt", allowed=[_Setting])
+    message = str(info.value)
+    assert message.startswith("f.pt: refused to load the global posix.mkdir: ")
+    assert "add_safe_globals([posix.mkdir])" in message and "\n" not in message
+    assert message.endswith(
+        "if you trust where the file came from, load it with weights_only=False"
+    )
+    with pytest.raises(UnsafeCheckpointError, match=r"came from, pass --trust$"):
+        _restricted_pickle.torch_load(data, path="f.pt", trust_advice="pass --trust")
+    assert not marker.exists()
+    data = _torch_saved({"x": _Setting("k"), "t": torch.ones(2)})
+    got = _restricted_pickle.torch_load(data, path="f.pt", allowed=[_Setting])
     assert got["x"] == _Setting("k") and torch.equal(got["t"], torch.ones(2))
+    with pytest.raises(UnsafeCheckpointError, match="_Setting"):  # allowed for that load only
+        _restricted_pickle.torch_load(data, path="f.pt")
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.serialization, "get_unsafe_globals_in_checkpoint"),
+    reason="torch 2.4 names only the first global it refuses",
+)
+def test_torch_load_names_every_refused_global_of_an_archive(tmp_path):
+    data = _torch_saved({"a": _Setting("k"), "b": _Other(1), "t": torch.ones(2)})
+    with pytest.raises(UnsafeCheckpointError) as info:
+        _restricted_pickle.torch_load(data, path="f.pt")
+    setting, other = f"{__name__}._Setting", f"{__name__}._Other"
+    assert info.value.name == min(setting, other)
+    assert f"refused to load the globals {min(setting, other)}, {max(setting, other)}: " in str(
+        info.value
+    )
+    with pytest.raises(UnsafeCheckpointError) as info:  # one allowed: the other is named
+        _restricted_pickle.torch_load(data, path="f.pt", allowed=[_Setting])
+    assert info.value.name == other and "_Setting" not in str(info.value)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["archive", "legacy format"])
+def test_torch_load_names_the_global_from_torchs_message_where_it_cannot_read_the_file(
+    tmp_path, monkeypatch, legacy
+):
+    """torch 2.4 has no ``get_unsafe_globals_in_checkpoint``, and it reads archives only:
+    torch's message names the global then."""
+    if not legacy:
+        monkeypatch.setattr(_restricted_pickle, "unsafe_globals_in", lambda f: None)
+    marker = tmp_path / "ran"
+    data = _torch_saved({"x": RunsCode(str(marker))}, legacy=legacy)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        _restricted_pickle.torch_load(data, path="f.pt")
+    assert info.value.name == "posix.mkdir" and not marker.exists()
+
+
+def _cut_in_pickle(data: bytes) -> bytes:
+    return data[:20]  # the legacy format's first pickle (its magic number), cut short
+
+
+DAMAGED = {
+    "empty": (lambda archive, legacy: b"", "is empty"),
+    "garbage": (lambda archive, legacy: b"\x13\x37" * 512, "not a readable torch.save file"),
+    "cut archive": (
+        lambda archive, legacy: archive[: len(archive) // 2],
+        "not a readable torch.save file (RuntimeError: ",
+    ),
+    "cut pickle": (lambda archive, legacy: _cut_in_pickle(legacy), "is truncated"),
+    "a plain pickle": (lambda archive, legacy: pickle.dumps([1, 2]), "not a readable"),
+}
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["safe", "trusted"])
+@pytest.mark.parametrize("kind", DAMAGED)
+def test_torch_load_of_a_damaged_file_is_a_named_error(kind, trusted):
+    state = {"w": torch.arange(64.0), "step": 3}
+    damage, what = DAMAGED[kind]
+    data = damage(_torch_saved(state), _torch_saved(state, legacy=True))
+    with pytest.raises(CorruptCheckpointError) as info:
+        _restricted_pickle.torch_load(data, path="f.pt", trusted=trusted)
+    message = str(info.value)
+    assert info.value.path == "f.pt" and message.startswith(f"f.pt: {what}"), message
+    assert "\n" not in message and len(message) < 300
+
+
+def test_torch_load_reads_a_file_from_its_position_and_passes_kwargs_on():
+    data = _torch_saved({"w": torch.arange(4.0)})
+    f = io.BytesIO(b"header" + data)
+    f.seek(6)
+    mapped = []
+
+    def map_location(storage, location):  # type: ignore[no-untyped-def]
+        mapped.append(location)
+        return storage
+
+    got = _restricted_pickle.torch_load(f, path="f.pt", map_location=map_location)
+    assert torch.equal(got["w"], torch.arange(4.0)) and mapped == ["cpu"]
+    f.seek(0, io.SEEK_END)
+    with pytest.raises(CorruptCheckpointError, match="^f.pt: is empty$"):  # nothing after it
+        _restricted_pickle.torch_load(f, path="f.pt")
+
+
+def test_torch_load_trusted_runs_the_file_as_torch_load_does(tmp_path):
+    marker = tmp_path / "ran"
+    data = _torch_saved({"x": RunsCode(str(marker)), "t": torch.ones(2)})
+    got = _restricted_pickle.torch_load(data, path="f.pt", trusted=True)
+    assert marker.exists() and got["x"] is None and torch.equal(got["t"], torch.ones(2))
+
+
+class _FailingStorage(io.BytesIO):
+    def read(self, *args):  # type: ignore[no-untyped-def, override]
+        raise OSError(5, "Input/output error")
+
+
+def test_torch_load_lets_storage_errors_through():
+    """A read that fails is the storage's trouble, not a damaged file."""
+    with pytest.raises(OSError, match="Input/output error") as info:
+        _restricted_pickle.torch_load(_FailingStorage(_torch_saved([1])), path="f.pt")
+    assert not isinstance(info.value, CorruptCheckpointError)
 
 
 def test_an_msc_checkpoint_id_reads_back_as_its_path(tmp_path):

@@ -231,6 +231,27 @@ def test_cuda_devices_with_context_and_fallback(monkeypatch) -> None:
     assert _torch_compat.cuda_devices_with_context() == [0, 1]
 
 
+# -- weights_only loads ------------------------------------------------------------------------
+
+
+class _Unsafe:
+    """A class no one marked safe."""
+
+
+def test_unsafe_globals_in_an_archive_and_where_it_cannot_tell(monkeypatch) -> None:
+    buffer = io.BytesIO()
+    torch.save({"a": _Unsafe(), "t": torch.ones(2)}, buffer)
+    buffer.seek(0)
+    assert _torch_compat.unsafe_globals_in(buffer) == [f"{__name__}._Unsafe"]
+    legacy = io.BytesIO()
+    torch.save({"a": _Unsafe()}, legacy, _use_new_zipfile_serialization=False)
+    legacy.seek(0)
+    assert _torch_compat.unsafe_globals_in(legacy) is None  # not an archive
+    buffer.seek(0)
+    monkeypatch.delattr(torch.serialization, "get_unsafe_globals_in_checkpoint", raising=False)
+    assert _torch_compat.unsafe_globals_in(buffer) is None  # torch 2.4
+
+
 # -- the command line's whole-checkpoint load -------------------------------------------------
 
 

@@ -172,6 +172,22 @@ def test_user_marked_globals_extend_the_metadata_allow_list(tmp_path, good_metad
     assert loaded.planner_data == {"origin": Point(1, 2)}
 
 
+def test_a_trusted_commit_record_reads_in_full(tmp_path, good_metadata):
+    """The command line's --trust: every global allowed, the same named damage errors."""
+    marker = tmp_path / "ran"
+    metadata = pickle.loads(good_metadata)
+    metadata.planner_data = {"innocent": RunsCode(str(marker))}
+    metadata.resilient_ckpt_files = {"algorithm": "crc32", "files": {"__0_0.distcp": (8, 5)}}
+    record = pickle.dumps(metadata)
+    with pytest.raises(UnsafeCheckpointError):
+        _restore.record_table(record, "r")
+    assert not marker.exists()
+    assert _restore.record_table(record, "r", trusted=True) == {"__0_0.distcp": (8, 5)}
+    assert marker.exists()
+    with pytest.raises(CorruptCheckpointError, match="^r: is empty$"):
+        _restore.record_table(b"", "r", trusted=True)
+
+
 def test_tiered_restore_treats_bad_records_as_unavailable(tmp_path, good_metadata, caplog):
     marker = tmp_path / "ran"
     memory = tmp_path / "mem"
@@ -208,6 +224,29 @@ def test_weights_only_planner_refuses_code_in_values(tmp_path):
     assert refused is not None, info.value
     assert refused.name == "posix.mkdir"
     assert f"{path}: value 'extra.hook'" in str(refused)
+    assert "add_safe_globals" in str(refused) and "DefaultLoadPlanner" in str(refused)
+
+
+def test_weights_only_planner_names_a_damaged_value(tmp_path):
+    """A value's bytes that are no torch.save file: a named error, not torch's."""
+    path = tmp_path / "ckpt"
+    _save({"w": torch.ones(3), "n": 4}, path)
+    where = pickle.loads((path / ".metadata").read_bytes()).storage_data
+    (info,) = [v for k, v in where.items() if k.fqn == "n"]
+    data = path / info.relative_path
+    raw = bytearray(data.read_bytes())
+    raw[info.offset : info.offset + info.length] = b"\x13" * info.length
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(
+            {"w": torch.zeros(3), "n": 0},
+            storage_reader=CachedMetadataFileSystemReader(str(path)),
+            planner=WeightsOnlyLoadPlanner(checkpoint=str(path)),
+            **no_dist_kwargs(dcp.load),
+        )
+    damaged = _find(caught.value, CorruptCheckpointError)
+    assert damaged is not None, caught.value
+    assert str(damaged).startswith(f"{path}: value 'n': not a readable torch.save file")
 
 
 def test_weights_only_planner_loads_plain_and_allowed_values(tmp_path):

@@ -276,8 +276,10 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     containers, tensors, ``torch.Size``, dtypes, devices) nor the user marked safe
     (``torch.serialization.add_safe_globals``, or inside ``safe_globals``) raises
     :class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming the value and the global;
-    nothing is run. Tensors are loaded as ever (DCP's readers load them with
-    ``weights_only=True`` already). For a checkpoint of unknown origin::
+    nothing is run. A damaged value (empty, cut short, not a ``torch.save`` file) is a
+    :class:`~resilient_ckpt.errors.CorruptCheckpointError` naming it. Tensors are loaded as
+    ever (DCP's readers load them with ``weights_only=True`` already). For a checkpoint of
+    unknown origin::
 
         dcp.load(
             state_dict,
@@ -296,7 +298,11 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        loaded = _restricted_pickle.torch_load(value, path=f"{self.checkpoint}: value {fqn!r}")
+        loaded = _restricted_pickle.torch_load(
+            value,
+            path=f"{self.checkpoint}: value {fqn!r}",
+            trust_advice="load it with torch's DefaultLoadPlanner (weights_only=False)",
+        )
         if not self.flatten_state_dict:
             self.state_dict[fqn] = loaded
             return

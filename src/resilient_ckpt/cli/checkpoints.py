@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .. import _restricted_pickle
 from ..errors import (
     CheckpointingException,
     ConfigurationError,
@@ -164,7 +165,7 @@ def read_dcp_metadata(path: str, *, trusted: bool = False) -> Any:
     backend = get_backend(path)
     record = RecordCommit(backend, path).record_path
     with backend.open_read(record) as f:
-        return _trust.load_pickle(f, path=record, trusted=trusted, expect=Metadata)
+        return _restricted_pickle.load(f, path=record, expect=Metadata, trusted=trusted)
 
 
 def verify_dcp(path: str, progress: Progress | None = None, *, trusted: bool = False) -> Report:

@@ -12,8 +12,10 @@ size and CRC32). One step is one checkpoint, spread over the rank directories:
 
 The durable tier needs nothing of its own: each of its steps is a standard DCP checkpoint.
 Works without a process group; it only reads files (the memory tier is node-local, so
-plain paths). Commit records are read by the restricted unpickler unless ``trusted`` (see
-:mod:`._trust`); a step whose every record is unreadable is *corrupt*, never complete.
+plain paths). Commit records are read as the tiered restore reads them
+(:func:`resilient_ckpt.tiered._restore.record_table`: the restricted unpickler unless
+``trusted``, see :mod:`._trust`); a step whose every record is unreadable is *corrupt*,
+never complete.
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
-
-from ..async_ckpt.filesystem_async import FILE_TABLE_ATTR
 from ..errors import (
     CheckpointingException,
     ConfigurationError,
@@ -35,7 +34,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..tiered._layout import METADATA_NAME, StepListing, scan_memory
-from . import _trust
+from ..tiered._restore import record_table
 
 _CHUNK = 8 << 20
 
@@ -68,10 +67,9 @@ def is_memory_root(path: str) -> bool:
 
 
 def _read_table(metadata_path: str, trusted: bool) -> tuple[dict[str, tuple[int, int]], int | None]:
+    """The commit record's file table, and the number of ranks whose files it lists."""
     with open(metadata_path, "rb") as f:
-        metadata = _trust.load_pickle(f, path=metadata_path, trusted=trusted, expect=Metadata)
-    table = getattr(metadata, FILE_TABLE_ATTR, None) or {}
-    files = {name: (int(s), int(c)) for name, (s, c) in dict(table.get("files", {})).items()}
+        files = record_table(f.read(), metadata_path, trusted=trusted)
     ranks = {name[2:].split("_", 1)[0] for name in files if name.startswith("__")}
     return files, len(ranks) or None
 

@@ -89,12 +89,14 @@ def local_view(memory_dir: str, durable_dir: str, is_coordinator: bool) -> RankV
     return view
 
 
-def record_table(record: bytes, path: str) -> dict[str, tuple[int, int]]:
+def record_table(record: bytes, path: str, *, trusted: bool = False) -> dict[str, tuple[int, int]]:
     """The file table of a commit record's bytes (``path`` names it in errors), unpickled
     with the restricted unpickler: a record naming a global that DCP metadata never holds
     is refused (``UnsafeCheckpointError``), never run; a damaged one, or one of another
-    kind, is a ``CorruptCheckpointError``."""
-    return file_table(_restricted_pickle.loads(record, path=path, expect=Metadata), path)
+    kind, is a ``CorruptCheckpointError``. ``trusted`` (the command line's ``--trust``)
+    allows every global, with the same errors for a damaged record."""
+    metadata = _restricted_pickle.loads(record, path=path, expect=Metadata, trusted=trusted)
+    return file_table(metadata, path)
 
 
 def _unavailable(path: str, exc: Exception) -> None:
