@@ -24,8 +24,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy src
 
+# Two pytest workers, each handed the next test as it frees up: most tests wait on processes
+# they started (ranks, background writers, a server), so two keep a 2-core machine busy.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS)
 
 test: lint typecheck docs pytest
 
