@@ -1,19 +1,27 @@
 """The torch.save flow stages a dict of tensors (a model's state_dict) as one batch
-(``_staging.TensorDict``): same file as ``torch.save``, steady saves reuse the layout, and
-every change is saved."""
+(``_staging.TensorDict``), and stages the state unbatched wherever a batch would rebuild a
+tensor object met twice as two, on steady saves too (issue 33). The flow's archive is
+compared with ``torch.save``'s in ``test_torch_ckpt_state.py``."""
 
 from __future__ import annotations
 
 import copy
 import pickle
-import zipfile
 from collections import OrderedDict
 
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._staging import MIN_BATCHED, TensorDict, batch_tensor_dicts
-from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+from resilient_ckpt.async_ckpt._stage_cache import StageCache
+from resilient_ckpt.async_ckpt._staging import (
+    MIN_BATCHED,
+    ArenaPool,
+    BatchedWhenPickled,
+    TensorDict,
+    batch_tensor_dicts,
+    stage,
+    unstage,
+)
 
 
 class _TiedLM(torch.nn.Module):
@@ -37,19 +45,21 @@ def _training_state(step: int) -> tuple[torch.nn.Module, dict]:
     return model, state
 
 
-def _records(path) -> dict[str, bytes]:
-    """A torch.save archive's records (the pickle, each storage) by name below the archive's
-    top folder, which torch names after the file (ours writes a temporary name first)."""
-    with zipfile.ZipFile(path) as archive:
-        return {name.split("/", 1)[1]: archive.read(name) for name in archive.namelist()}
+def _never() -> bool:
+    return False
+
+
+def _weights(n: int = MIN_BATCHED) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((3,), float(i)) for i in range(n)}
 
 
 def test_state_is_batched_without_changing_the_callers_objects() -> None:
     _, state = _training_state(3)
     before = copy.copy(state)
-    staged = batch_tensor_dicts(state)
+    staged, batched = batch_tensor_dicts(state)
     assert state == before and staged is not state
     assert isinstance(staged["model"], TensorDict)
+    assert batched == set(map(id, state["model"].values()))  # what single tensors check
     assert staged["optimizer"] is state["optimizer"]  # a dict of dicts: left as it is
     rebuilt = pickle.loads(pickle.dumps(staged))
     assert type(rebuilt["model"]) is OrderedDict
@@ -57,65 +67,117 @@ def test_state_is_batched_without_changing_the_callers_objects() -> None:
     assert rebuilt["model"]._metadata == state["model"]._metadata  # the module versions
     # Nothing to batch: the very object.
     small = {"a": torch.ones(2), "step": 1}
-    assert batch_tensor_dicts(small) is small
+    assert batch_tensor_dicts(small) == (small, set())
+    assert batch_tensor_dicts(small)[0] is small
     assert len(small) < MIN_BATCHED
 
 
 def test_a_dict_met_twice_stays_one_object_and_repeated_tensors_are_not_batched() -> None:
-    shared = {f"w{i}": torch.full((3,), float(i)) for i in range(MIN_BATCHED)}
-    rebuilt = pickle.loads(pickle.dumps(batch_tensor_dicts({"a": shared, "b": shared})))
+    shared = _weights()
+    rebuilt = pickle.loads(pickle.dumps(batch_tensor_dicts({"a": shared, "b": shared})[0]))
     assert rebuilt["a"] is rebuilt["b"]
     repeated = {f"w{i}": shared["w0"] for i in range(MIN_BATCHED)}
-    assert batch_tensor_dicts({"m": repeated})["m"] is repeated
+    assert batch_tensor_dicts({"m": repeated})[0]["m"] is repeated
 
 
-@pytest.mark.timeout(120)
-def test_torch_flow_writes_torch_saves_bytes_and_reuses_the_batched_layout(tmp_path) -> None:
-    model, state = _training_state(1)
-    ckpt = TorchAsyncCheckpoint()
-    try:
-        ckpt.warmup(state)
-        cache = ckpt.queue.persistent_caller.stage_cache
-        for step in range(1, 4):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.5)  # in place: the state_dict's tensors see it
-            state["step"] = step
-            (tmp_path / "ref").mkdir(exist_ok=True)
-            (tmp_path / "ours").mkdir(exist_ok=True)
-            torch.save(state, tmp_path / "ref" / f"{step}.pt")
-            hits = cache.hits
-            overlap = step == 2  # the batch's checks then run on the staging thread
-            ckpt.async_save(state, str(tmp_path / "ours" / f"{step}.pt"), overlap_staging=overlap)
-            ckpt.wait_for_snapshot()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(100.0)  # after the snapshot: not in the checkpoint
-            ckpt.finalize_async_save(blocking=True)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.sub_(100.0)
-            assert cache.hits == hits + 1  # steady: the warm-up's layout, batch included
-            ours = _records(tmp_path / "ours" / f"{step}.pt")
-            assert ours == _records(tmp_path / "ref" / f"{step}.pt")
-        loaded = torch.load(tmp_path / "ours" / "3.pt", weights_only=False)
-        assert (
-            loaded["model"]["head.weight"].data_ptr() == loaded["model"]["embed.weight"].data_ptr()
+def test_two_dicts_sharing_a_tensor_are_not_batched(stager: _Stager) -> None:
+    first = _weights()
+    second = {**_weights(), "w0": first["w0"]}
+    state = {"a": first, "b": second}
+    assert batch_tensor_dicts(state) == (state, set())
+    got, batched = stager(state)
+    assert got["a"]["w0"] is got["b"]["w0"] and not batched
+
+
+class _Stager:
+    """Stages a state as the torch.save flow does and unstages it; the arena of the last
+    one stays mapped (the unstaged tensors view it) until the next one or ``close``."""
+
+    def __init__(self) -> None:
+        self.pool = ArenaPool(1)
+        self.cache = StageCache()
+        self.arena_id: int | None = None
+
+    def __call__(self, state: dict, *, cached: bool = False) -> tuple[dict, bool]:
+        """The unstaged state and whether it was batched."""
+        self._release()
+        staged = stage(
+            BatchedWhenPickled(state), self.pool, _never, cache=self.cache if cached else None
         )
-        # A changed structure: a tensor replaced by one in other memory, then a key added.
-        for change in (
-            lambda s: s["model"].__setitem__("norm.bias", torch.full((16,), 7.0)),
-            lambda s: s["model"].__setitem__("extra", torch.arange(5.0)),
-        ):
-            change(state)
-            hits = cache.hits
-            path = tmp_path / f"changed{len(state['model'])}.pt"
-            ckpt.async_save(state, str(path))
-            ckpt.finalize_async_save(blocking=True)
-            assert cache.hits == hits  # staged fully
-            got = torch.load(path, weights_only=False)["model"]
-            assert list(got) == list(state["model"])
-            for key, value in state["model"].items():
-                assert torch.equal(got[key], value), key
-    finally:
-        ckpt.close()
+        self.arena_id = staged.arena.arena_id
+        got = unstage(staged.payload, staged.arena, staged.slots)
+        return got, b"rebuild_batch" in staged.payload
+
+    def _release(self) -> None:
+        if self.arena_id is not None:
+            self.pool.release(self.arena_id)
+            self.arena_id = None
+
+    def close(self) -> None:
+        self._release()
+        self.pool.close()
+
+
+@pytest.fixture
+def stager():
+    staging = _Stager()
+    yield staging
+    staging.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["before", "after", "deeper", "key"])
+def test_a_batched_tensor_met_again_stays_one_object(stager: _Stager, where: str) -> None:
+    weights = _weights()
+    again = weights["w3"]
+    state = {
+        "before": {"x": again, "m": weights},
+        "after": {"m": weights, "x": again},
+        "deeper": {"m": weights, "opt": {"state": {0: {"exp_avg": [again]}}}},
+        "key": {"m": weights, "x": {again: 1}},
+    }[where]
+    assert batch_tensor_dicts(state)[1]  # the dict alone would be a batch
+    got, batched = stager(state)
+    assert not batched
+    met = {
+        "before": lambda: got["x"],
+        "after": lambda: got["x"],
+        "deeper": lambda: got["opt"]["state"][0]["exp_avg"][0],
+        "key": lambda: next(iter(got["x"])),
+    }[where]()
+    assert met is got["m"]["w3"]
+    assert all(torch.equal(got["m"][k], v) for k, v in weights.items())
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_pickled_by_value_keeps_its_tensors_one_object(stager: _Stager) -> None:
+    weights = {**_weights(), "c": torch.randn(3, dtype=torch.complex64).conj()}
+    got, _ = stager({"m": weights, "x": weights["w1"], "y": weights["c"]})
+    assert got["x"] is got["m"]["w1"] and got["y"] is got["m"]["c"]
+    assert torch.equal(got["y"], weights["c"])
+
+
+@pytest.mark.timeout(60)
+def test_steady_saves_keep_a_tensor_met_twice_one_object(stager: _Stager) -> None:
+    """The optimistic pickle of the staging cache cannot tell a tensor met twice from an
+    alias of it (another object over the same memory, the same layout): it checks identity
+    as the full staging does, and a state staged unbatched is reused unbatched."""
+    weights = _weights()
+    alias = weights["w0"].detach()
+    apart = {"m": weights, "x": alias}
+    twice = {"m": weights, "x": weights["w0"]}
+    cache = stager.cache
+    rounds = [  # state, hit the cache, batched
+        (apart, False, True),
+        (apart, True, True),
+        (twice, False, False),  # same layouts as `apart`: only identity tells them apart
+        (twice, True, False),
+        (apart, False, True),  # one tensor call more than `twice`: staged fully, batched
+        (apart, True, True),
+    ]
+    for i, (state, hit, batched) in enumerate(rounds):
+        hits = cache.hits
+        got, was_batched = stager(state, cached=True)
+        assert (cache.hits == hits + 1, was_batched) == (hit, batched), i
+        assert (got["x"] is got["m"]["w0"]) == (state is twice), i
+        assert got["x"].untyped_storage().data_ptr() == got["m"]["w0"].untyped_storage().data_ptr()

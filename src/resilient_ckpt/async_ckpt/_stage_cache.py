@@ -25,7 +25,9 @@ by one in other memory, or a different count of reducer calls or of tensors per 
 falls back to the full path, which rebuilds the cache. Identity is deliberately not part of
 the layout: a tensor replaced by a new object over the *same* memory and layout is staged
 identically, and the same object whose storage was swapped (``.data =``, ``set_``) has a
-new address or layout and misses.
+new address or layout and misses. (Where identity decides what is written, a tensor of a
+``torch.save`` state's batched dict met again elsewhere, the optimistic pickle checks it as
+the full one does: see ``_Guess``.)
 
 Only requests whose tensors are all strided are cached (by-value tensors would repeat stale
 values). Device tensors are: their copies are planned from the layouts too
@@ -62,7 +64,7 @@ from ._copy import (
 from ._worker import Slot
 
 if TYPE_CHECKING:  # _staging imports this module
-    from ._staging import SourcedBatch
+    from ._staging import BatchedWhenPickled, SourcedBatch
 
 logger = get_logger(__name__)
 
@@ -116,13 +118,19 @@ class _Miss(Exception):
 
 class _Guess:
     """Reducer of the optimistic pickle: the i-th reducer call gets the cached i-th result,
-    if it describes as many tensors as the cached call did."""
+    if it describes as many tensors as the cached call did.
 
-    __slots__ = ("calls", "counts", "reduced", "tensors")
+    A ``BatchedWhenPickled`` state is batched as at the full staging (``batch_dicts``), and
+    a single tensor that is also in a batch misses, as the full staging would stage the state
+    again unbatched (see ``_staging.TensorDict``); equal layouts cannot tell that apart."""
 
-    def __init__(self, reduced: list[Any], counts: list[int]) -> None:
+    __slots__ = ("batch_dicts", "batched", "calls", "counts", "reduced", "tensors")
+
+    def __init__(self, reduced: list[Any], counts: list[int], batch_dicts: bool) -> None:
         self.reduced = reduced
         self.counts = counts
+        self.batch_dicts = batch_dicts
+        self.batched: set[int] = set()
         self.calls = 0
         self.tensors: list[torch.Tensor] = []
 
@@ -133,7 +141,12 @@ class _Guess:
             raise _Miss
         return self.reduced[index]
 
+    def reduce_state(self, state: BatchedWhenPickled) -> tuple:
+        return state.reduce(self.batched if self.batch_dicts else None)
+
     def reduce_tensor(self, obj: torch.Tensor) -> Any:
+        if id(obj) in self.batched:
+            raise _Miss
         self.tensors.append(obj)
         return self._next(1)
 
@@ -157,6 +170,7 @@ class StageCache:
     def __init__(self) -> None:
         self._reduced: list[Any] | None = None
         self._counts: list[int] = []
+        self._batch_dicts = True
         self._layout: tuple[list, ...] | None = None
         self._slots: tuple[Slot, ...] = ()
         self._total = 0
@@ -179,6 +193,7 @@ class StageCache:
         reduced: list[Any],
         counts: list[int],
         reusable: bool,
+        batch_dicts: bool,
         slots: tuple[Slot, ...],
         host: list[Segment],
         device: DevicePlan,
@@ -190,7 +205,9 @@ class StageCache:
         """After a full staging: keep what the next save of this layout can reuse.
 
         ``reduced``/``counts``: each reducer call's result and how many of ``tensors`` it
-        described. ``host``: the copy ranges with destinations relative to the arena's start.
+        described. ``batch_dicts``: whether that staging batched a ``BatchedWhenPickled``
+        state's dicts (False after it met a batched tensor twice; the next full staging tries
+        again). ``host``: the copy ranges with destinations relative to the arena's start.
         ``counted``: a save missed the cache (False for a warm-up, which saves nothing).
         """
         self.misses += int(counted)
@@ -205,6 +222,7 @@ class StageCache:
             return
         self._reduced = list(reduced)
         self._counts = list(counts)
+        self._batch_dicts = batch_dicts
         self._layout = layout
         self._slots = slots
         self._total = total
@@ -220,7 +238,7 @@ class StageCache:
         layout = self._layout
         if self._reduced is None or layout is None or threads != self._threads:
             return None
-        guess = _Guess(self._reduced, self._counts)
+        guess = _Guess(self._reduced, self._counts, self._batch_dicts)
         try:
             payload = dump(obj, guess)
             if guess.calls != len(self._reduced) or not unchanged(layouts, layout, guess.tensors):

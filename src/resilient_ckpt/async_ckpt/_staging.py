@@ -25,7 +25,8 @@ tensors, so they travel as one blob of descriptors per list (:class:`TensorBatch
 :class:`SourcedBatch` (the async DCP writer's bucket, whose tensors the worker must get
 *detached*) is staged as the detached tensors would be, without making them: nothing but the
 bytes and the layout ever leaves the trainer. A ``torch.save`` state's dicts of tensors are
-batched too (:class:`TensorDict`).
+batched too (:class:`TensorDict`), except where a batch would not rebuild the objects
+``torch.save`` would see.
 
 Worker side (:func:`unstage`): unpickling rebuilds each descriptor as a tensor whose storage is
 exactly its slot of the arena, one storage per slot. A function or class of the trainer's
@@ -199,9 +200,15 @@ class TensorDict:
 
     For the ``torch.save`` flow, whose state is the user's: a model's ``state_dict()`` is one
     dict of hundreds to thousands of tensors, each a reducer call and a descriptor of its own
-    otherwise. Its tensors are rebuilt as the batch's objects: a tensor of the dict that the
-    rest of the state also holds (the very object, not a view or a tied weight, which share
-    storages and stay shared) is rebuilt as a second tensor over the same storage.
+    otherwise. Its tensors are rebuilt as the batch's objects, so a tensor object of the
+    dict that the rest of the state also holds (the very object; views and tied weights only
+    share storages, which stay shared by slot) would be rebuilt as a second object, and the
+    worker's ``torch.save`` would write another archive than the trainer's. Staging therefore
+    knows the ids of every batched tensor (:func:`batch_tensor_dicts`): two batched dicts
+    that share one are not batched at all, and a tensor staged on its own whose id is among
+    them (one set lookup per tensor) stages the state again without batches
+    (:class:`MetTwice`). Such a state costs a second pickle; the common one, a state whose
+    dicts of tensors hold their own tensors, costs one set lookup per other tensor.
     """
 
     __slots__ = ("attrs", "keys", "kind", "tensors")
@@ -225,15 +232,16 @@ def _rebuild_dict(kind: type, keys: list, tensors: list, attrs: dict | None) -> 
     return rebuilt
 
 
-def _as_batch(obj: Any) -> TensorDict | None:
-    """``obj`` as a :class:`TensorDict` if it is a dict of at least ``MIN_BATCHED`` distinct
-    tensors (checked by C-level passes), else None."""
+def _as_batch(obj: Any) -> tuple[TensorDict, set[int]] | None:
+    """``obj`` as a :class:`TensorDict` and its tensors' ids, if it is a dict of at least
+    ``MIN_BATCHED`` distinct tensors (checked by C-level passes), else None."""
     if type(obj) not in _DICTS or len(obj) < MIN_BATCHED:
         return None
     values = list(obj.values())
-    if not set(map(type, values)) <= PLAIN_TENSOR_TYPES or len(set(map(id, values))) != len(values):
+    ids = set(map(id, values))
+    if not set(map(type, values)) <= PLAIN_TENSOR_TYPES or len(ids) != len(values):
         return None
-    return TensorDict(type(obj), list(obj), TensorBatch(values), _attributes(obj))
+    return TensorDict(type(obj), list(obj), TensorBatch(values), _attributes(obj)), ids
 
 
 def _attributes(obj: dict) -> dict | None:
@@ -241,23 +249,30 @@ def _attributes(obj: dict) -> dict | None:
     return dict(vars(obj)) if type(obj) is OrderedDict and vars(obj) else None
 
 
-def batch_tensor_dicts(state: Any) -> Any:
-    """``state`` with its dicts of tensors as :class:`TensorDict`: ``state`` itself, or its
-    direct dict values (the ``"model"`` of ``{"model": ..., "optimizer": ..., "step": ...}``);
-    nothing deeper, so the cost is a few C-level passes per candidate dict. The caller's
-    objects are not changed (a new outer dict of the same type holds the replacements), and a
-    dict met under two keys stays one object."""
+def batch_tensor_dicts(state: Any) -> tuple[Any, set[int]]:
+    """``state`` with its dicts of tensors as :class:`TensorDict`, and the ids of the tensors
+    batched: ``state`` itself, or its direct dict values (the ``"model"`` of
+    ``{"model": ..., "optimizer": ..., "step": ...}``); nothing deeper, so the cost is a few
+    C-level passes per candidate dict. The caller's objects are not changed (a new outer dict
+    of the same type holds the replacements), and a dict met under two keys stays one object.
+    Two dicts that share a tensor object cannot both be batches: then none is."""
     whole = _as_batch(state)
     if whole is not None:
         return whole
     if type(state) not in _DICTS:
-        return state
+        return state, set()
     replaced: dict[int, TensorDict | None] = {}
+    batched: set[int] = set()
+    held = 0
     for value in state.values():
         if type(value) in _DICTS and id(value) not in replaced:
-            replaced[id(value)] = _as_batch(value)
-    if not any(replaced.values()):
-        return state
+            found = _as_batch(value)
+            replaced[id(value)] = found[0] if found else None
+            if found is not None:
+                batched |= found[1]
+                held += len(found[1])
+    if not batched or len(batched) != held:
+        return state, set()
     outer = type(state)(
         (key, replaced.get(id(value)) or value) if type(value) in _DICTS else (key, value)
         for key, value in state.items()
@@ -265,22 +280,38 @@ def batch_tensor_dicts(state: Any) -> Any:
     attrs = _attributes(state)
     if attrs:
         outer.__dict__.update(attrs)
-    return outer
+    return outer, batched
+
+
+class MetTwice(Exception):
+    """A batched tensor was met outside its batch: the request must be staged again with
+    its state unbatched (see :class:`TensorDict`)."""
 
 
 class BatchedWhenPickled:
     """``state`` staged as :func:`batch_tensor_dicts` makes it, the checks made when staging
     pickles it rather than when the save is called: with overlapped staging the pickling
     runs on the background thread, and so do the checks' passes over every tensor. Unpickled,
-    it is ``state`` (the same dicts again)."""
+    it is ``state`` (the same dicts again). Pickled by anything but staging, it is ``state``
+    as it is."""
 
     __slots__ = ("state",)
 
     def __init__(self, state: Any) -> None:
         self.state = state
 
+    def reduce(self, batched: set[int] | None) -> tuple:
+        """The reduction staging pickles: with ``batched``, the state with its dicts of
+        tensors batched, their tensors' ids added to ``batched`` (for the reducer of single
+        tensors to check, see :class:`TensorDict`); with None, the state as it is."""
+        if batched is None:
+            return _identity, (self.state,)
+        state, ids = batch_tensor_dicts(self.state)
+        batched |= ids
+        return _identity, (state,)
+
     def __reduce_ex__(self, protocol: object) -> tuple:
-        return _identity, (batch_tensor_dicts(self.state),)
+        return self.reduce(None)
 
 
 def _identity(obj: Any) -> Any:
@@ -322,9 +353,14 @@ class _Collector:
     descriptors: the result and how many tensors the call described (one, or a
     :class:`TensorBatch`'s length), and the tensors in order (for their layouts, see
     :func:`._stage_cache.layouts`). ``reusable`` turns False when a tensor is pickled by value.
+
+    ``batch_dicts``: whether a :class:`BatchedWhenPickled` state is staged with its dicts
+    batched; ``batched`` holds the ids of the tensors so batched (see :class:`TensorDict`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, batch_dicts: bool = True) -> None:
+        self.batch_dicts = batch_dicts
+        self.batched: set[int] = set()
         self.slots: list[_PendingSlot] = []
         self.slot_of: dict[StorageKey, int] = {}
         self.tensors: list[torch.Tensor] = []
@@ -353,7 +389,12 @@ class _Collector:
             type(obj) is torch.nn.Parameter and not detached,
         )
 
+    def reduce_state(self, state: BatchedWhenPickled) -> tuple:
+        return state.reduce(self.batched if self.batch_dicts else None)
+
     def reduce_tensor(self, obj: torch.Tensor) -> Any:
+        if id(obj) in self.batched:
+            raise MetTwice
         self.tensors.append(obj)
         self.counts.append(1)
         if not _stageable(obj):
@@ -373,7 +414,9 @@ class _Collector:
     def _batch(self, tensors: list[torch.Tensor], *, detached: bool) -> Any:
         if not all(isinstance(t, torch.Tensor) and _stageable(t) for t in tensors):
             # Element by element (each through the dispatch table): by value where needed.
+            # Pickled one by one, its tensors are memoized, so met again they stay one object.
             self.reusable = False
+            self.batched.difference_update(map(id, tensors))
             if detached:
                 tensors = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
             return list, (tuple(tensors),)
@@ -401,6 +444,7 @@ def _dispatch_table(collector: Any) -> dict[type, Any]:
     table[torch.nn.Parameter] = collector.reduce_tensor
     table[TensorBatch] = collector.reduce_batch
     table[SourcedBatch] = collector.reduce_sourced
+    table[BatchedWhenPickled] = collector.reduce_state
     table[types.ModuleType] = _reduce_module
     return table
 
@@ -426,10 +470,15 @@ def dump_with(obj: Any, reducer_owner: Any) -> bytes:
 
 
 def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
-    """Pickle ``obj`` with tensors replaced by descriptors; name ``what`` on failure."""
+    """Pickle ``obj`` with tensors replaced by descriptors; name ``what`` on failure. A
+    batched tensor met twice (:class:`MetTwice`) has it pickled again without batches."""
     collector = _Collector()
     try:
-        payload = dump_with(obj, collector)
+        try:
+            payload = dump_with(obj, collector)
+        except MetTwice:
+            collector = _Collector(batch_dicts=False)
+            payload = dump_with(obj, collector)
     except CheckpointingException:
         raise  # ours (e.g. a write item resolved late to a non-tensor) say what happened
     except Exception as exc:
@@ -539,6 +588,7 @@ def _remember(
         collector.reduced,
         collector.counts,
         collector.reusable,
+        collector.batch_dicts,
         slots,
         list(placement.runs),
         device,
