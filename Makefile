@@ -24,9 +24,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy src
 
-# Two pytest workers, each handed the next test as it frees up: most tests wait on processes
-# they started (ranks, background writers, a server), so two keep a 2-core machine busy.
-PYTEST_WORKERS ?= 2
+# Three pytest workers, each handed the next test as it frees up: a test spends much of its
+# time waiting on processes it started (ranks, background writers, a server); with three the
+# 2-core machine stays busy.
+PYTEST_WORKERS ?= 3
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS)
 

@@ -115,6 +115,17 @@ def memfd_mappings() -> int:
     return len(names)
 
 
+def shm_segments() -> set[str]:
+    """The shared-memory segments in ``/dev/shm``: its files (``psm_*``, ``torch_*``,
+    ``sem.*``), what a killed process can leave there. Directories are left out: the
+    processes under test make none, while tests running beside them on other pytest workers
+    make temporary directories there (``tempfile`` with ``dir="/dev/shm"``)."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    with os.scandir("/dev/shm") as entries:
+        return {e.name for e in entries if not e.is_dir(follow_symlinks=False)}
+
+
 def rss_bytes() -> int:
     import psutil
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from resilient_ckpt.local import BasicTensorAwareStateDict
 from resilient_ckpt.testing.faults import descendants, worker_pids
+from tests._helpers import shm_segments
 
 from . import _common as c
 
@@ -36,7 +37,7 @@ def _snapshot(queue: Any) -> dict[str, Any]:
     return {
         "trainer_rss": psutil.Process().memory_info().rss,
         "worker_rss": sum(psutil.Process(p).memory_info().rss for p in workers),
-        "shm": set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set(),
+        "shm": shm_segments(),
         "procs": set(descendants()),
     }
 

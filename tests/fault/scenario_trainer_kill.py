@@ -40,6 +40,7 @@ from resilient_ckpt.async_ckpt.core import AsyncCallsQueue
 from resilient_ckpt.local import BasicTensorAwareStateDict
 from resilient_ckpt.testing import launch
 from resilient_ckpt.testing.faults import descendants, wait_gone
+from tests._helpers import shm_segments
 
 from . import _common as c
 
@@ -257,7 +258,7 @@ def _update(bounds: dict[str, list[int]], job: _Job) -> list[float]:
 
 
 def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return shm_segments()
 
 
 def _supervise(_: int, __: int, root: str, trials: int, seed: int) -> dict[str, list[c.Trial]]:

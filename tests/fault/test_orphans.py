@@ -30,16 +30,12 @@ if __name__ == "__main__":
 """
 
 
-def _shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
 @pytest.mark.parametrize("persistent", [True, False])
 def test_killed_trainer_leaves_no_worker_and_no_shm(tmp_path, persistent) -> None:
     script = tmp_path / "trainer.py"
     script.write_text(_TRAINER.format(persistent=persistent))
     marker = tmp_path / "worker_pid"
-    before = _shm_entries()
+    before = _helpers.shm_segments()
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     trainer = subprocess.Popen(
@@ -60,5 +56,5 @@ def test_killed_trainer_leaves_no_worker_and_no_shm(tmp_path, persistent) -> Non
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
-    assert _shm_entries() - before == set()
+    assert _helpers.shm_segments() - before == set()
     assert not (tmp_path / "x.pt").exists()
