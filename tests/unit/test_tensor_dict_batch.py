@@ -22,27 +22,7 @@ from resilient_ckpt.async_ckpt._staging import (
     stage,
     unstage,
 )
-
-
-class _TiedLM(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(50, 16)
-        self.blocks = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
-        self.norm = torch.nn.LayerNorm(16)
-        self.head = torch.nn.Linear(16, 50, bias=False)
-        self.head.weight = self.embed.weight  # tied: two keys, one storage
-
-
-def _training_state(step: int) -> tuple[torch.nn.Module, dict]:
-    torch.manual_seed(0)
-    model = _TiedLM()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss = model.head(model.blocks(model.embed(torch.arange(4)))).sum()
-    loss.backward()
-    optimizer.step()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-    return model, state
+from tests.unit.test_torch_ckpt_state import _training_state
 
 
 def _never() -> bool:
