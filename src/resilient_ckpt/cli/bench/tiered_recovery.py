@@ -367,31 +367,27 @@ def _rows(args: argparse.Namespace, r: dict[str, Any]) -> list[tuple[str, float,
             ">= 3x",
         ),
     ]
-    if args.durable == "s3":
-        return rows + [
-            ("restore same step, durable (S3), cold", durable, "", ""),
-            (
-                "raw download of the same objects",
-                r["raw_read_durable"],
-                f"durable restore = {durable / r['raw_read_durable']:.2f}x this",
-                "",
-            ),
-            (
-                "link time: a node's bytes / node rate",
-                _link_seconds(args, r),
-                f"durable restore = {durable / _link_seconds(args, r):.2f}x this",
-                "",
-            ),
-        ]
-    return rows + [
-        ("restore same step, durable, cold cache", durable, "", ""),
+    s3 = args.durable == "s3"
+    rows += [
+        (f"restore same step, durable{' (S3), cold' if s3 else ', cold cache'}", durable, "", ""),
         (
-            "raw cold read of the durable files",
+            "raw download of the same objects" if s3 else "raw cold read of the durable files",
             r["raw_read_durable"],
             f"durable restore = {durable / r['raw_read_durable']:.2f}x this",
             "",
         ),
     ]
+    if s3:
+        link = _link_seconds(args, r)
+        rows.append(
+            (
+                "link time: a node's bytes / node rate",
+                link,
+                f"durable restore = {durable / link:.2f}x this",
+                "",
+            )
+        )
+    return rows
 
 
 def _print(args: argparse.Namespace, r: dict[str, Any]) -> None:
