@@ -80,6 +80,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
@@ -100,6 +101,7 @@ __all__ = [
     "extra_safe_globals",
     "has_stream_transforms",
     "is_sharded_tensor",
+    "loaded_dtensor",
     "no_dist_kwargs",
     "pending_sparse_tensors",
     "prefix_of",
@@ -128,6 +130,16 @@ def __getattr__(name: str) -> Any:
     names = {"DTensor": DTensor, "Replicate": Replicate, "Shard": Shard}
     globals().update(names, distribute_tensor=distribute_tensor)
     return globals()[name]
+
+
+def loaded_dtensor() -> type | None:
+    """``DTensor`` if its module is imported, else None (then no DTensor exists): for code
+    that must recognise a DTensor without paying for the import."""
+    if any(
+        name in sys.modules for name in ("torch.distributed.tensor", "torch.distributed._tensor")
+    ):
+        return __getattr__("DTensor")
+    return None
 
 
 # -- torch releases ---------------------------------------------------------------------------

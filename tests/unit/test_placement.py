@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from resilient_ckpt.async_ckpt._copy import ALIGN, BRIDGE_MAX_BYTES, place
-from resilient_ckpt.async_ckpt._stage_cache import StageCache
+from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 
 PAGE = 4096

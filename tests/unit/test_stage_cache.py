@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._stage_cache import StageCache
+from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 
 

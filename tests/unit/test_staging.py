@@ -77,7 +77,7 @@ def test_a_failed_device_copy_is_a_staging_error_and_gives_the_arena_back(
 ) -> None:
     """A ``copy_`` that fails (the copy_ path, on CPU, through the is_host seam) is reported
     as ours, and the arena goes back to the pool (nothing issued still writes into it)."""
-    from resilient_ckpt.async_ckpt._stage_cache import StageCache
+    from resilient_ckpt.async_ckpt._structure import StageCache
     from resilient_ckpt.errors import StagingError
 
     monkeypatch.setattr(_copy, "is_host", lambda storage: False)

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from resilient_ckpt.async_ckpt import _copy, _staging
 from resilient_ckpt.async_ckpt._arena import Arena
-from resilient_ckpt.async_ckpt._stage_cache import StageCache
+from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage, unstage
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
@@ -581,25 +581,84 @@ def _walk_states() -> list[dict]:
 
 
 def test_walk_of_uniform_mappings_equals_the_entry_by_entry_walk(monkeypatch) -> None:
-    """The C-level walk of mappings of one tensor type (beside scalars) gives exactly the
-    tokens, leaves and keys of the entry-by-entry walk, so the plan record means the same;
-    a changed requires_grad still changes the keys."""
-    from resilient_ckpt.async_ckpt import _planning
+    """The C-level walk of mappings of one tensor type gives exactly the leaves, tensors and
+    tensor descriptions of the entry-by-entry walk; a changed requires_grad changes the key."""
+    from resilient_ckpt.async_ckpt import _structure
 
     states = _walk_states()
-    fast = [_planning.walk(state) for state in states]
+    fast = [_structure.walk(state) for state in states]
     with monkeypatch.context() as patch:
-        patch.setattr(_planning, "_UNIFORM", frozenset())
-        patch.setattr(_planning, "_SCALARS", frozenset())
-        slow = [_planning.walk(state) for state in states]
+        patch.setattr(_structure, "_UNIFORM", frozenset())
+        slow = [_structure.walk(state) for state in states]
     for got, want in zip(fast, slow, strict=True):
         assert got is not None and want is not None
-        assert got[0] == want[0] and got[2] == want[2]
-        assert len(got[1]) == len(want[1])
-        assert all(a is b for a, b in zip(got[1], want[1], strict=True))
+        assert got.key[1:] == want.key[1:] and got.values == want.values
+        assert got.plain == want.plain
+        for ours, theirs in ((got.leaves, want.leaves), (got.tensors, want.tensors)):
+            assert len(ours) == len(theirs)
+            assert all(a is b for a, b in zip(ours, theirs, strict=True))
     states[0]["model"]["l3"].requires_grad_(True)
-    changed = _planning.walk(states[0])
-    assert changed is not None and fast[0] is not None and changed[2] != fast[0][2]
+    changed = _structure.walk(states[0])
+    assert changed is not None and fast[0] is not None and changed.key != fast[0].key
+
+
+def test_walk_leaves_are_dcp_flat_values_in_order() -> None:
+    """The walk's leaves are exactly what DCP's flattening yields, in its order, for the
+    containers DCP treats alike or apart: lists of scalars and of lists kept whole, tuples
+    kept whole even with tensors inside, lists walked when they hold a tensor or a dict."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from resilient_ckpt.async_ckpt import _structure
+
+    t = torch.rand(2)
+    states = [
+        *_walk_states(),
+        {"a": [[1, 2], [3.0]], "b": (t, 1), "c": [t, {"x": t, "y": [1]}], "d": [[t], 2]},
+        {"groups": [{"params": [0, 1], "lr": 0.1}], "e": [], "f": ()},
+    ]
+    for state in states:
+        structure = _structure.walk(state)
+        assert structure is not None
+        flat, _ = flatten_state_dict(state)
+        assert len(flat) == len(structure.leaves), state
+        assert all(a is b for a, b in zip(flat.values(), structure.leaves, strict=True))
+
+
+def test_walk_key_changes_with_every_part_of_the_structure() -> None:
+    """Keys, container types, sharing, leaf types and tensor layouts are in the key; plain
+    values are not (they are returned apart, floats by their bits)."""
+    from collections import OrderedDict
+
+    from resilient_ckpt.async_ckpt import _structure
+
+    def key(state: dict) -> tuple:
+        structure = _structure.walk(state)
+        assert structure is not None
+        return structure.key
+
+    shared = {"w": torch.rand(2)}
+    base = {"m": {"w": torch.rand(2)}, "n": {"w": torch.rand(2)}, "s": 1, "l": [1, 2]}
+    same = key(base)
+    assert key({**base, "s": 2}) == same
+    variants = [
+        {**base, "x": 1},  # a key added
+        {**base, "m": OrderedDict(base["m"])},  # a container's type
+        {**base, "m": shared, "n": shared},  # sharing
+        {**base, "s": 1.0},  # a leaf's type
+        {**base, "m": {"w": torch.rand(3)}},  # a shape
+        {**base, "m": {"w": torch.rand(2).double()}},  # a dtype
+        {**base, "m": {"w": torch.rand(4)[::2]}},  # a stride
+        {**base, "l": [1, 2, 3]},  # a list's length
+    ]
+    for variant in variants:
+        assert key(variant) != same, variant
+    values = _structure.walk({"a": 0.0, "b": [-0.0]})
+    assert values is not None and values.values == [0.0.hex(), (-0.0).hex()]
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert _structure.walk({"a": [torch.rand(2).as_subclass(Sub)]}) is None  # not modelled
 
 
 @pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._stage_cache import StageCache
+from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt._staging import (
     MIN_BATCHED,
     ArenaPool,

@@ -62,8 +62,8 @@ from . import _reports, _worker
 from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, AsyncRequest, LocalStatus, State, exit_description, failure_error
 from ._copy import DeviceOrder, check_copy_threads, make_side_streams, warm_threads
-from ._stage_cache import StageCache
 from ._staging import PendingSnapshot, StagedRequest, prime, resolve_deferred, stage
+from ._structure import StageCache
 from ._worker import (
     AttachArena,
     Channel,

@@ -62,7 +62,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, cast
@@ -79,6 +78,7 @@ from .. import _dist
 from .._logging import get_logger
 from .._torch_compat import DTensor, is_sharded_tensor
 from ..errors import CheckpointingException, ConfigurationError
+from ._structure import StructureCache, walk
 
 logger = get_logger(__name__)
 
@@ -144,95 +144,6 @@ def structure_signature(flat_state: Mapping[str, Any], context: Sequence[Any]) -
 # -- the steady-state record -----------------------------------------------------------------------
 
 
-# What a tensor leaf's write items depend on, by its exact type (the plan keys above).
-_PLAN_KEY: dict[type, Any] = {
-    DTensor: operator.attrgetter("_spec", "requires_grad"),
-    torch.Tensor: operator.attrgetter("shape", "dtype", "requires_grad", "layout"),
-    torch.nn.Parameter: operator.attrgetter("shape", "dtype", "requires_grad", "layout"),
-}
-
-# A mapping whose values are tensors of one of these types (a model's or an optimizer
-# state's parameters, typically), possibly beside plain scalars (leaves whose token is their
-# type alone), is walked by C-level ``map`` calls instead of the loop in ``_walk``, with the
-# same tokens and keys.
-_UNIFORM = frozenset(_PLAN_KEY)
-_SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})
-
-
-class _Unsupported(Exception):
-    """The state holds something the walk does not model."""
-
-
-def _leaf(value: Any, tokens: list) -> None:
-    """The token of a leaf that is neither a mapping, a list nor a tensor of ``_PLAN_KEY``."""
-    kind = type(value)
-    if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
-        raise _Unsupported(kind.__name__)
-    tokens.append(kind)
-
-
-def _list(value: list, tokens: list, leaves: list, keys: list) -> None:
-    """A list: DCP's flattening keeps it whole as one leaf unless it holds a mapping or a
-    tensor (an optimizer's ``param_groups``, say); then it goes element by element."""
-    inner = tuple(map(type, value))
-    if any(issubclass(t, list) for t in inner):
-        raise _Unsupported("list of lists")
-    if not any(issubclass(t, (Mapping, torch.Tensor)) for t in inner):
-        leaves.append(value)
-        tokens.append((list, inner))
-        return
-    tokens.append((list, len(value)))
-    for element, kind in zip(value, inner, strict=True):
-        _entry(element, kind, tokens, leaves, keys)
-
-
-def _entry(value: Any, kind: type, tokens: list, leaves: list, keys: list) -> None:
-    """One value of a mapping, or one element of a list DCP flattens element by element."""
-    key_of = _PLAN_KEY.get(kind)
-    if key_of is not None:
-        leaves.append(value)
-        tokens.append(kind)
-        keys.append(key_of(value))
-    elif isinstance(value, Mapping):
-        _walk(value, tokens, leaves, keys)
-    elif kind is list:
-        _list(value, tokens, leaves, keys)
-    else:
-        leaves.append(value)
-        _leaf(value, tokens)
-
-
-def _walk(mapping: Mapping, tokens: list, leaves: list, keys: list) -> None:
-    tokens.append((type(mapping), tuple(mapping)))
-    values = list(mapping.values())
-    kinds = list(map(type, values))
-    distinct = set(kinds)
-    tensor_kinds = distinct - _SCALARS
-    if not tensor_kinds or (len(tensor_kinds) == 1 and tensor_kinds <= _UNIFORM):
-        # Leaves only, of one tensor type at most: tokens are the types, keys the tensors'.
-        tokens.extend(kinds)
-        leaves.extend(values)
-        if tensor_kinds:
-            (kind,) = tensor_kinds
-            tensors = values if len(distinct) == 1 else [v for v in values if type(v) is kind]
-            keys.extend(map(_PLAN_KEY[kind], tensors))
-        return
-    for value, kind in zip(values, kinds, strict=True):
-        _entry(value, kind, tokens, leaves, keys)
-
-
-def walk(state_dict: Mapping) -> tuple[list, list, list] | None:
-    """``(tokens, leaves, plan keys)`` of a nested state, or None if it is not modelled."""
-    tokens: list = []
-    leaves: list = []
-    keys: list = []
-    try:
-        _walk(state_dict, tokens, leaves, keys)
-    except _Unsupported:
-        return None
-    return tokens, leaves, keys
-
-
 def planner_supported(planner: Any) -> bool:
     """A planner whose set-up is DCP's flattening, so the fast path may emulate it."""
     return (
@@ -244,52 +155,39 @@ def planner_supported(planner: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class FastRecord:
-    """What a steady-state save compares against, and how to rebuild the flat state."""
+class FlatRecord:
+    """How the planner's flat state is rebuilt from a state of the recorded structure:
+    ``dict(zip(fqns, structure.leaves))``, without DCP's flattening."""
 
-    context: tuple
-    tokens: list
-    keys: list
     fqns: tuple[str, ...]
     mappings: dict
     generation: int
-
-    @classmethod
-    def make(
-        cls, state_dict: Mapping, planner: Any, context: tuple, generation: int
-    ) -> FastRecord | None:
-        """After ``planner.set_up_planner(state_dict)``: a record, if the walk matches DCP."""
-        if not planner_supported(planner):
-            return None
-        walked = walk(state_dict)
-        flat = getattr(planner, "state_dict", None)
-        if walked is None or not isinstance(flat, dict):
-            return None
-        tokens, leaves, keys = walked
-        if len(flat) != len(leaves):
-            return None
-        if any(a is not b for a, b in zip(flat.values(), leaves, strict=True)):
-            return None
-        mappings = dict(getattr(planner, "mappings", {}) or {})
-        return cls(context, tokens, keys, tuple(flat), mappings, generation)
-
-    def match(self, state_dict: Mapping, context: tuple) -> list | None:
-        """The state's leaves (in the flat order) if it is laid out as recorded, else None."""
-        if context != self.context:
-            return None
-        walked = walk(state_dict)
-        if walked is None:
-            return None
-        tokens, leaves, keys = walked
-        if tokens != self.tokens or keys != self.keys:
-            return None
-        return leaves
 
     def set_up(self, planner: Any, leaves: list, is_coordinator: bool) -> None:
         """What ``DefaultSavePlanner.set_up_planner`` would leave, without flattening."""
         planner.state_dict = dict(zip(self.fqns, leaves, strict=True))
         planner.mappings = dict(self.mappings)
         planner.is_coordinator = is_coordinator
+
+
+def record_structure(
+    cache: CheckpointMetadataCache, state_dict: Mapping, planner: Any, context: tuple
+) -> None:
+    """After ``planner.set_up_planner(state_dict)`` and a full planning: remember how to
+    rebuild the planner's flat state, if DCP's flattening visited exactly the walk's leaves
+    (checked object by object)."""
+    structure = walk(state_dict) if planner_supported(planner) else None
+    flat = getattr(planner, "state_dict", None)
+    if (
+        structure is None
+        or not isinstance(flat, dict)
+        or len(flat) != len(structure.leaves)
+        or any(a is not b for a, b in zip(flat.values(), structure.leaves, strict=True))
+    ):
+        return
+    mappings = dict(getattr(planner, "mappings", {}) or {})
+    record = FlatRecord(tuple(flat), mappings, cache.misses)
+    cache.structures.remember((context, structure.key), record)
 
 
 # -- the plan cache --------------------------------------------------------------------------------
@@ -314,7 +212,8 @@ class CheckpointMetadataCache:
         self.validated_loaded_metadata_reuse = False
         self.loaded_all_plans: list[SavePlan] | None = None
         self.structure_signature: bytes | None = None
-        self.fast_record: FastRecord | None = None
+        # The flat record of the state the cached plan was made for (see steady_state_plan).
+        self.structures: StructureCache[FlatRecord] = StructureCache()
         self.hits = 0
         self.misses = 0
 
@@ -373,7 +272,7 @@ class CheckpointMetadataCache:
         global_metadata: Metadata | None,
     ) -> None:
         """Replace the cache by the result of a full planning."""
-        self.fast_record = None
+        self.structures.clear()
         self.structure_signature = signature
         self.cached_central_plan = central_plan
         self.cached_local_plan = local_plan
@@ -612,21 +511,24 @@ def steady_state_plan(planning: Any, cache: Any) -> Any:
     raises on every rank.
     """
     dw = planning.dist_wrapper
-    record: FastRecord | None = cache.fast_record
+    record: FlatRecord | None = None
     leaves: list | None = None
     error: Exception | None = None
     try:
         check_writer(planning.writer)
-        if record is not None and planner_supported(planning.planner):
-            leaves = record.match(planning.state_dict, planning.context())
-            if leaves is not None:
+        if planner_supported(planning.planner):
+            structure = walk(planning.state_dict)
+            if structure is not None:
+                record = cache.structures.lookup((planning.context(), structure.key))
+                leaves = structure.leaves
+            if record is not None:
                 planning.set_up_writer()
     except Exception as exc:
         error = exc
     outcomes = _dist.agree(
         "DCP save planning (steady-state check)",
         error,
-        ints=(leaves is not None, record.generation if record is not None else -1),
+        ints=(record is not None, record.generation if record is not None else -1),
         group=agreement_group(dw),
         local_only=not dw.use_dist or dw.get_world_size() == 1,
     )

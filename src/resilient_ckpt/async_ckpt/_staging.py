@@ -135,18 +135,13 @@ from ._copy import (
     start_copies,
     storage_key,
 )
-from ._stage_cache import StageCache
+from ._structure import PLAIN_TENSOR_TYPES, StageCache
 from ._worker import MainAwareUnpickler, Slot, SlotTable
 
 logger = get_logger(__name__)
 
 
 # -- batches: many tensors described in one reducer call --------------------------------------
-
-# The exact types of the tensors staging can describe without any check beyond its layout
-# (no subclass with state of its own): what a batch may hold, and what the steady-state
-# walks of the DCP and local flows treat as plain tensors.
-PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 class TensorBatch(list):

@@ -66,12 +66,12 @@ from ..errors import CheckpointingException, ConfigurationError, InvalidRequestE
 from ..storage.commit import write_atomically
 from ._planning import (
     CheckpointMetadataCache,
-    FastRecord,
     Planning,
     accepts,
     check_state_dict,
     check_writer,
     is_decentralized,
+    record_structure,
     steady_state_plan,
     verify_global_md_reuse,
 )
@@ -249,7 +249,7 @@ def _plan(
     central_plan = planner.finish_plan(central_plan)
     global_metadata = _update_cache(cache, hit, signature, central_plan, planning, reused_loaded)
     if cache is not None and not (steady and hit):
-        cache.fast_record = FastRecord.make(state_dict, planner, planning.context(), cache.misses)
+        record_structure(cache, state_dict, planner, planning.context())
     plan_s = time.perf_counter() - started
     storage_writer.prepare_write_data(central_plan, planner)
     logger.info(

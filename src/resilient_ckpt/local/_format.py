@@ -38,8 +38,8 @@ import torch
 
 from .. import _restricted_pickle
 from .._checksum import CrcPipe, crc32
-from ..async_ckpt._stage_cache import tensor_meta, unchanged
 from ..async_ckpt._staging import TensorBatch
+from ..async_ckpt._structure import tensor_meta, unchanged
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._pickled import PickledOnce, PickledValue, spliced
@@ -112,7 +112,7 @@ class RecordMemo:
     tensors each time. Their records (dtype, shape, offset, size, ``requires_grad``,
     parameter or not) and the checks before them are functions of each tensor's class,
     dtype, shape, ``requires_grad``, layout, device and ``_is_param`` flag alone. ``check``
-    (the staging's :func:`~..async_ckpt._stage_cache.tensor_meta` of the tensors; it also
+    (the staging's :func:`~..async_ckpt._structure.tensor_meta` of the tensors; it also
     holds strides) and the ``_is_param`` flags equal, tensor by tensor, reuse the records
     and their pickle. ``check`` is None before the first planning.
 

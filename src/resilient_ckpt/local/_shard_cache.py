@@ -1,132 +1,41 @@
 """The steady-state fast path of a local save: reuse the previous shard layout.
 
-Decision: :func:`._format.plan_shard` pops every tensor of the state (a placeholder object
-each), records where each tensor's bytes go, pickles the hollow state with those records
-as the shard header, and puts the tensors back: work per tensor, repeated identically
-while a job saves the same structure. For a :class:`BasicTensorAwareStateDict` (plain nested
-dicts, lists and tuples) this cache instead walks the state once (a C-level pass over a dict
-of tensors of one type) and compares it with the state the cached layout was
-planned from:
+Decision: :func:`._format.plan_shard` pops every tensor of the state, records where each
+tensor's bytes go, pickles the hollow state with those records as the shard header, and puts
+the tensors back: work per tensor, repeated identically while a job saves the same structure.
+For a :class:`BasicTensorAwareStateDict` made of plain containers, plain tensors and exact
+leaves (``Structure.plain``), the layout is kept under the state's structure key
+(:mod:`..async_ckpt._structure`): equal keys mean identical records, so they are reused with
+the *current* tensors, whose bytes are read when the request is staged.
 
-* every container's type and keys (dicts, and ``OrderedDict`` such as a module's
-  ``state_dict()``, with its attributes) or length (lists, tuples), in order;
-* which dicts and lists are met a second time, by identity (a header pickles them once:
-  loading gives one object where the state had one);
-* for every tensor, what its placeholder and record hold: type, shape, dtype, device,
-  layout, ``requires_grad`` (with its stride, see
-  :func:`..async_ckpt._stage_cache.tensor_meta`; a changed stride alone just plans again);
-* every other leaf's type, when it is one whose equality is exact and whose pickle depends
-  only on its value (``int``, ``float``, ``str``, ``bytes``, ``bool``, ``None``); a leaf of
-  any other type disables the cache for that state (its pickle is re-made).
-
-Equal walks mean identical records, so the cached ones are reused with the *current*
-tensors (their bytes are read when the request is staged). The header is reused as well
-when the plain leaves' values are equal too (floats compared bit for bit: ``0.0`` and
-``-0.0`` pickle apart). A training state's plain values change at every save (the
-iteration, the learning rate), so then only the header is made again, without popping: the
-hollow state is built beside the live one (new containers holding the placeholders the
-tensors would have left, made once when the layout was cached) and pickled with the records.
-The records, and every part of the state that holds only tensors (a model's state_dict, an
-optimizer's per-parameter state), travel as their cached pickle (:mod:`._pickled`), as they
-do in a full planning: the bytes are exactly those of a full planning, without the per-tensor
-work of one. The layout is cached only
-if the walk met exactly the tensors ``pop_tensors`` popped, in order (checked object by
-object), and only for states whose tensors are on their home devices.
+The header holds the plain leaves' values too (floats compared by their bits: ``0.0`` and
+``-0.0`` pickle apart). A training state's values change at every save (the iteration, the
+learning rate), so then only the header is made again, without popping: the hollow state is
+built beside the live one (new containers holding the placeholders the tensors would have
+left, made once when the layout was cached) and pickled with the records. The records, and
+every part of the state that holds only tensors, travel as their cached pickle
+(:mod:`._pickled`), as in a full planning: the bytes are exactly those of a full planning.
+The layout is cached only if the walk met exactly the tensors ``pop_tensors`` popped, in
+order (checked object by object), and only for states whose tensors are on their home
+devices.
 """
 
 from __future__ import annotations
 
 import itertools
 import pickle
-from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ..async_ckpt._staging import PLAIN_TENSOR_TYPES, TensorBatch
+from ..async_ckpt._staging import TensorBatch
+from ..async_ckpt._structure import PLAIN_TENSOR_TYPES, Structure, StructureCache, walk
 from ._format import RecordMemo, ShardLayout, align, header_of
 from ._pickled import PickledOnce, PickledValue, constant_size, rebuild, shell_of
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 
-_EXACT = (int, str, bytes, bool, type(None))
-_AGAIN = "again"  # the token of a container met before in the same walk
-
-
 # plan_shard: a full planning, reusing the records of the last one where it can.
 PlanFull = Callable[[Any, RecordMemo], ShardLayout]
-
-
-class _Unsupported(Exception):
-    pass
-
-
-def _one_tensor_type(items: list) -> bool:
-    """Whether ``items`` (a dict's values) are all tensors of one type (a model's
-    parameters): then walked, and hollowed, by C-level passes."""
-    kinds = set(map(type, items))
-    return len(kinds) == 1 and kinds <= PLAIN_TENSOR_TYPES
-
-
-def _walk(obj: Any, tokens: list, values: list, tensors: list, seen: dict[int, int]) -> None:
-    kind = type(obj)
-    if kind is dict or kind is OrderedDict or kind is list:
-        # Met before (by identity): the header pickles it once, so sharing is structure.
-        count = len(seen)
-        first = seen.setdefault(id(obj), count)
-        if first != count:
-            tokens.append((_AGAIN, first))
-    if kind is dict or kind is OrderedDict:
-        if kind is dict:
-            tokens.append((kind, tuple(obj)))
-        else:  # a module's state_dict(): its attributes (``_metadata``) pickle with it
-            tokens.append((kind, tuple(obj), _attributes(obj)))
-        items = list(obj.values())
-        if _one_tensor_type(items):
-            tensors.extend(items)
-            tokens.extend(map(type, items))
-            return
-        for item in items:
-            _walk(item, tokens, values, tensors, seen)
-    elif kind is list or kind is tuple:
-        tokens.append((kind, len(obj)))
-        for item in obj:
-            _walk(item, tokens, values, tensors, seen)
-    elif kind in PLAIN_TENSOR_TYPES:
-        tensors.append(obj)
-        tokens.append(kind)
-    elif kind is float:
-        tokens.append(kind)
-        values.append(obj.hex())  # exact: 0.0 == -0.0 but they pickle apart
-    elif kind in _EXACT:
-        tokens.append(kind)
-        values.append((kind, obj))
-    else:
-        # Subclasses of dict/list/tuple (named tuples), other tensor types, objects whose
-        # pickle may not follow their equality: always planned in full.
-        raise _Unsupported(kind.__name__)
-
-
-def _attributes(obj: Any) -> bytes | None:
-    """An object's attributes as a comparable snapshot (their pickle), None if it has none."""
-    attrs = vars(obj)
-    if not attrs:
-        return None
-    try:
-        return pickle.dumps(attrs, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # the full planning reports it, in its words
-        raise _Unsupported(f"unpicklable attributes: {exc!r}") from exc
-
-
-def walk(state: Any) -> tuple[list, list, TensorBatch] | None:
-    """``(tokens, values, tensors)`` of ``state``: its structure, its plain leaves' values,
-    and the tensors in order, as the batch a shard layout stages them in."""
-    tokens: list = []
-    values: list = []
-    tensors = TensorBatch()
-    try:
-        _walk(state, tokens, values, tensors, {})
-    except _Unsupported:
-        return None
-    return tokens, values, tensors
 
 
 class _Mismatch(Exception):
@@ -201,6 +110,15 @@ def hollow_body(
         return None
 
 
+@dataclass(frozen=True)
+class _Cached:
+    """A full planning's layout (without tensors), for states of its structure."""
+
+    layout: ShardLayout
+    values: list  # the plain leaves' values the layout's header holds
+    placeholders: list[TensorPlaceholder]
+
+
 class ShardPlanCache:
     """One manager's memory of its previous shard layout (see the module docstring).
 
@@ -209,10 +127,7 @@ class ShardPlanCache:
     """
 
     def __init__(self) -> None:
-        self._tokens: list | None = None
-        self._values: list = []
-        self._layout: ShardLayout | None = None
-        self._placeholders: list[TensorPlaceholder] = []
+        self._structures: StructureCache[_Cached] = StructureCache()
         # The last full planning's records, splices and tensor check (reused by states
         # planned in full; the cached layout, which that planning made, is checked and its
         # header refreshed with them).
@@ -222,47 +137,47 @@ class ShardPlanCache:
         self.misses = 0
 
     def plan(self, state: Any, plan_full: PlanFull) -> ShardLayout:
-        """``plan_full(state)`` or, for a state laid out as last time, the cached layout
+        """``plan_full(state)`` or, for a state of the last structure, the cached layout
         with the current tensors (and, if its plain values changed, a new header)."""
-        walked = None
+        structure = None
         if type(state) is BasicTensorAwareStateDict and state.reusable_layout():
-            walked = walk(state.state_dict)
-        cached = self._layout
-        if (
-            walked is None
-            or cached is None
-            or walked[0] != self._tokens
-            or not self._records.matches(walked[2])
-        ):
-            return self._plan_full(state, plan_full, walked)
-        _, values, tensors = walked
-        if values != self._values:
-            body = hollow_body(state, self._placeholders, self._records.splices, cached.records)
+            structure = walk(state.state_dict)
+            if structure is not None and not structure.plain:
+                structure = None
+        cached = self._structures.lookup(structure.key if structure is not None else None)
+        if structure is None or cached is None:
+            return self._plan_full(state, plan_full, structure)
+        layout = cached.layout
+        if structure.values != cached.values:
+            body = hollow_body(state, cached.placeholders, self._records.splices, layout.records)
             if body is None:
-                return self._plan_full(state, plan_full, walked)
+                return self._plan_full(state, plan_full, structure)
             header = header_of(body)
             start = align(len(header))
-            data_bytes = cached.size - cached.data_start
-            cached = ShardLayout(header, [], cached.records, start, start + data_bytes)
-            self._layout, self._values = cached, values
+            data_bytes = layout.size - layout.data_start
+            layout = ShardLayout(header, [], layout.records, start, start + data_bytes)
+            self._structures.remember(
+                structure.key, _Cached(layout, structure.values, cached.placeholders)
+            )
             self.refreshes += 1
         self.hits += 1
-        return ShardLayout(cached.header, tensors, cached.records, cached.data_start, cached.size)
+        tensors = TensorBatch(structure.tensors)
+        return ShardLayout(layout.header, tensors, layout.records, layout.data_start, layout.size)
 
-    def _plan_full(self, state: Any, plan_full: PlanFull, walked: Any) -> ShardLayout:
+    def _plan_full(
+        self, state: Any, plan_full: PlanFull, structure: Structure | None
+    ) -> ShardLayout:
         layout = plan_full(state, self._records)
         self.misses += 1
-        self._tokens, self._layout, self._placeholders = None, None, []
-        if walked is None or not isinstance(layout.records, PickledOnce):
+        self._structures.clear()
+        if structure is None or not isinstance(layout.records, PickledOnce):
             return layout
-        tokens, values, tensors = walked
+        tensors = structure.tensors
         if len(tensors) != len(layout.tensors) or any(
             a is not b for a, b in zip(tensors, layout.tensors, strict=True)
         ):
             return layout
-        self._tokens, self._values = tokens, values
-        self._layout = ShardLayout(
-            layout.header, [], layout.records, layout.data_start, layout.size
-        )
-        self._placeholders = list(map(TensorPlaceholder.of, tensors))
+        hollow = ShardLayout(layout.header, [], layout.records, layout.data_start, layout.size)
+        placeholders = list(map(TensorPlaceholder.of, tensors))
+        self._structures.remember(structure.key, _Cached(hollow, structure.values, placeholders))
         return layout

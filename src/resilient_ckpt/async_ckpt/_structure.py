@@ -1,0 +1,504 @@
+"""Is this save laid out as the last one? The library's one answer, at two depths.
+
+Decision: a training job saves the same state again and again: the same containers and keys,
+tensors of the same shapes and dtypes, mostly in the very same memory. Work that depends only
+on that is done at the first save and reused while it holds. Two depths of "the same" exist,
+and each is answered here once, for every flow:
+
+* **The structure** (:func:`walk`, :class:`StructureCache`): the containers' types and keys,
+  which containers are met twice, each leaf's type, and each tensor's description (type,
+  device, layout, dtype, shape, ``requires_grad``, stride, conjugate and negative bits; for a
+  DTensor its mesh, placements, global shape and stride). Planning depends on it alone: the
+  DCP plan (:mod:`._planning`) and the local shard's header and records
+  (:mod:`..local._shard_cache`) are kept in a :class:`StructureCache`, under the key of the
+  state they were made for, and dropped at the first save whose key differs. Values are not
+  part of the key; the walk returns the plain ones for the flows whose output holds them.
+* **The layout** (:class:`StageCache`): the structure of the *request* handed to the worker,
+  plus where each tensor's bytes lie (storage address, offset and size). Staging depends on
+  it: each tensor's descriptor, which storages share a slot, and the copy ranges. Addresses
+  are deliberately not part of the structure: a tensor re-created over new memory keeps the
+  plan but not the copy ranges.
+
+**The walk** follows DCP's flattening (``traverse_state_dict``), so that its leaves are the
+planner's flat values in order: mappings are walked; a list is walked element by element if
+it holds a tensor, a mapping or such a list, and otherwise is one leaf, as a tuple always is.
+Lists and tuples are still walked inside (into the key) for the local flow, which pops every
+tensor. A state holding what the walk does not model (other tensor subclasses, objects with
+``__create_write_items__``, list subclasses) has no structure: its flows plan in full.
+
+**The staging cache.** A save first pickles the request *optimistically*, with a reducer that
+answers its i-th call with the previous save's i-th result (a call is one tensor, or a whole
+batch of the staging layer), then checks that every tensor met, in order, has the previous
+save's layout (:func:`layouts`). Equal layouts mean equal descriptors, equal slot grouping and
+equal copy ranges, so the cached copy plan copies exactly the bytes the full path would. The
+request's non-tensor part is pickled afresh every save. Any difference falls back to the full
+path, which rebuilds the cache. Only requests whose tensors are all strided are cached
+(by-value tensors would repeat stale values); the cache holds no tensor, only the layouts and
+the plans.
+"""
+
+from __future__ import annotations
+
+import operator
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+
+from .._logging import get_logger
+from .._torch_compat import loaded_dtensor
+from ._arena import Arena, ArenaPool
+from ._copy import (
+    NO_DEVICE,
+    DeviceOrder,
+    DevicePlan,
+    Segment,
+    copy_all,
+    destinations,
+    plan_shares,
+    start_copies,
+)
+from ._worker import Slot
+
+if TYPE_CHECKING:  # _staging imports this module
+    from ._staging import BatchedWhenPickled, SourcedBatch
+
+logger = get_logger(__name__)
+
+# The exact types of the tensors staging describes without any check beyond their layout (no
+# subclass with state of its own): what a staging batch may hold, and what the local flow pops.
+PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+# -- the tensors' description and layout ----------------------------------------------------
+
+# One C-level call per tensor for the fields that are plain attributes.
+_ATTRIBUTES = operator.attrgetter("device", "layout", "dtype", "shape", "requires_grad")
+
+
+def tensor_meta(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
+    """Type, device, layout, dtype, shape, ``requires_grad``, stride and the conjugate and
+    negative bits of every tensor, as columns (one list per field). Raises for a tensor
+    without strides."""
+    return (
+        list(map(type, tensors)),
+        list(map(_ATTRIBUTES, tensors)),
+        list(map(torch.Tensor.stride, tensors)),
+        list(map(torch.Tensor.is_conj, tensors)),
+        list(map(torch.Tensor.is_neg, tensors)),
+    )
+
+
+def layouts(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
+    """The whole layout of every tensor: :func:`tensor_meta` and where its bytes lie.
+    Two requests whose layouts are equal stage to the same descriptors, slots and copy
+    ranges. Raises for a tensor without strides or without a strided storage."""
+    storages = list(map(torch.Tensor.untyped_storage, tensors))
+    return (
+        *tensor_meta(tensors),
+        list(map(torch.Tensor.storage_offset, tensors)),
+        list(map(torch.UntypedStorage.data_ptr, storages)),
+        list(map(torch.UntypedStorage.nbytes, storages)),
+    )
+
+
+def unchanged(
+    read: Callable[[Sequence[torch.Tensor]], tuple[list, ...]],
+    expected: tuple[list, ...],
+    tensors: Sequence[torch.Tensor],
+) -> bool:
+    """Whether ``read(tensors)`` (:func:`layouts` or :func:`tensor_meta`) equals
+    ``expected``; False for tensors it cannot read (e.g. sparse: no strides)."""
+    try:
+        return read(tensors) == expected
+    except Exception:
+        return False
+
+
+# -- the structure ----------------------------------------------------------------------------
+
+_EXACT = frozenset({int, str, bytes, bool, type(None)})
+_AGAIN = "again"  # the token of a container met before in the same walk
+# A DTensor's plan depends on its mesh, placements, global shape, stride, dtype and
+# requires_grad (the mesh and placements are the DTensor's own objects: compared by identity
+# first while the DTensor is the same).
+_DTENSOR = operator.attrgetter("device_mesh", "placements", "shape", "dtype", "requires_grad")
+
+
+class _Unmodelled(Exception):
+    """The state holds something the walk does not model."""
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """One walk of a nested state (see the module docstring).
+
+    ``key``: what planning depends on; equal keys, equal plans. ``leaves``: DCP's flat
+    values, in its order. ``tensors``: the plain tensors, in the order ``pop_tensors``
+    meets them. ``values``: the exact leaves' values (floats by their bits). ``plain``:
+    the state is made of dicts, ``OrderedDict``s, lists and tuples of plain tensors and
+    exact leaves alone (what the local flow's header cache models).
+    """
+
+    key: tuple
+    leaves: list
+    tensors: list
+    values: list
+    plain: bool
+
+
+class _Walk:
+    __slots__ = (
+        "dtensor",
+        "dtensors",
+        "leaves",
+        "plain",
+        "seen",
+        "tensors",
+        "tokens",
+        "uniform",
+        "values",
+    )
+
+    def __init__(self) -> None:
+        self.dtensor = loaded_dtensor()
+        self.uniform = _UNIFORM if self.dtensor is None else _UNIFORM | {self.dtensor}
+        self.tokens: list = []
+        self.leaves: list = []
+        self.tensors: list = []
+        self.dtensors: list = []
+        self.values: list = []
+        self.seen: dict[int, int] = {}
+        self.plain = True
+
+    def again(self, obj: Any) -> None:
+        """Mark a container met before: a pickle keeps the sharing, so it is structure."""
+        count = len(self.seen)
+        first = self.seen.setdefault(id(obj), count)
+        if first != count:
+            self.tokens.append((_AGAIN, first))
+
+    def mapping(self, obj: Mapping) -> None:
+        kind = type(obj)
+        self.again(obj)
+        if kind is OrderedDict:  # a module's state_dict(): ``_metadata`` pickles with it
+            self.tokens.append((kind, tuple(obj), _attributes(obj)))
+        else:
+            self.tokens.append((kind, tuple(obj)))
+            self.plain = self.plain and kind is dict
+        items = list(obj.values())
+        kinds = set(map(type, items))
+        if len(kinds) == 1 and kinds <= self.uniform:  # a model's parameters: C-level passes
+            (one,) = kinds
+            self.tokens.append((one, len(items)))
+            self.leaves.extend(items)
+            if one is self.dtensor:
+                self.dtensors.extend(items)
+                self.plain = False
+            else:
+                self.tensors.extend(items)
+            return
+        for item in items:
+            self.value(item)
+
+    def sequence(self, obj: list | tuple) -> bool:
+        """Walk a list or tuple; whether DCP walks it element by element."""
+        kind = type(obj)
+        if kind is list:
+            self.again(obj)
+        self.tokens.append((kind, len(obj)))
+        mark = len(self.leaves)
+        walked = False
+        for item in obj:
+            walked = self.value(item) or walked
+        if kind is tuple or not walked:  # DCP keeps it whole, as one leaf
+            del self.leaves[mark:]
+            self.leaves.append(obj)
+            return False
+        return True
+
+    def value(self, obj: Any) -> bool:
+        """Walk one value; whether it makes a list holding it walked by DCP."""
+        kind = type(obj)
+        if kind in PLAIN_TENSOR_TYPES:
+            self.tokens.append(kind)
+            self.leaves.append(obj)
+            self.tensors.append(obj)
+            return True
+        if kind is self.dtensor:
+            self.tokens.append(kind)
+            self.leaves.append(obj)
+            self.dtensors.append(obj)
+            self.plain = False
+            return True
+        if isinstance(obj, Mapping):
+            self.mapping(obj)
+            return True
+        if kind is list or kind is tuple:
+            return self.sequence(obj)
+        if isinstance(obj, (torch.Tensor, list)) or hasattr(obj, "__create_write_items__"):
+            raise _Unmodelled(kind.__name__)
+        self.tokens.append(kind)
+        self.leaves.append(obj)
+        if kind is float:
+            self.values.append(obj.hex())  # exact: 0.0 == -0.0 but they pickle apart
+        elif kind in _EXACT:
+            self.values.append((kind, obj))
+        else:  # a tuple subclass or any other object: its pickle may not follow equality
+            self.plain = False
+        return False
+
+
+# Mappings whose values all have one of these types are walked by C-level passes.
+_UNIFORM = PLAIN_TENSOR_TYPES
+
+
+def _attributes(obj: Any) -> bytes | None:
+    """An object's attributes as a comparable snapshot (their pickle), None if it has none."""
+    attrs = vars(obj)
+    if not attrs:
+        return None
+    try:
+        return pickle.dumps(attrs, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # the full planning reports it, in its words
+        raise _Unmodelled(f"unpicklable attributes: {exc!r}") from exc
+
+
+def walk(state: Mapping) -> Structure | None:
+    """The structure of ``state`` (a mapping), or None if it holds what the walk does not
+    model (see the module docstring)."""
+    visit = _Walk()
+    try:
+        visit.mapping(state)
+        meta = tensor_meta(visit.tensors)
+    except Exception:  # _Unmodelled, or a tensor without strides
+        return None
+    dtensors = visit.dtensors
+    key = (
+        visit.tokens,
+        meta,
+        list(map(_DTENSOR, dtensors)),
+        list(map(torch.Tensor.stride, dtensors)),
+    )
+    return Structure(key, visit.leaves, visit.tensors, visit.values, visit.plain)
+
+
+T = TypeVar("T")
+
+
+class StructureCache(Generic[T]):
+    """What one consumer derived from the last structure it planned for, under that key.
+
+    ``lookup`` with the key of this save's structure gives the product if the key is the one
+    remembered, else None; ``remember`` replaces it after a full planning; ``clear`` drops
+    it. Keys are compared whole: any change invalidates.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._product: T | None = None
+
+    def lookup(self, key: tuple | None) -> T | None:
+        if key is None or self._product is None or key != self._key:
+            return None
+        return self._product
+
+    def remember(self, key: tuple, product: T) -> None:
+        self._key, self._product = key, product
+
+    def clear(self) -> None:
+        self._key, self._product = None, None
+
+
+# -- the staging cache ------------------------------------------------------------------------
+
+
+class _Miss(Exception):
+    """The optimistic pickle met more tensors than the cached request had."""
+
+
+class _Guess:
+    """Reducer of the optimistic pickle: the i-th reducer call gets the cached i-th result,
+    if it describes as many tensors as the cached call did.
+
+    A ``BatchedWhenPickled`` state is batched as at the full staging (``batch_dicts``), and
+    a single tensor that is also in a batch misses, as the full staging would stage the state
+    again unbatched (see ``_staging.TensorDict``); equal layouts cannot tell that apart."""
+
+    __slots__ = ("batch_dicts", "batched", "calls", "counts", "reduced", "tensors")
+
+    def __init__(self, reduced: list[Any], counts: list[int], batch_dicts: bool) -> None:
+        self.reduced = reduced
+        self.counts = counts
+        self.batch_dicts = batch_dicts
+        self.batched: set[int] = set()
+        self.calls = 0
+        self.tensors: list[torch.Tensor] = []
+
+    def _next(self, count: int) -> Any:
+        index = self.calls
+        self.calls = index + 1
+        if index >= len(self.reduced) or self.counts[index] != count:
+            raise _Miss
+        return self.reduced[index]
+
+    def reduce_state(self, state: BatchedWhenPickled) -> tuple:
+        return state.reduce(self.batched if self.batch_dicts else None)
+
+    def reduce_tensor(self, obj: torch.Tensor) -> Any:
+        if id(obj) in self.batched:
+            raise _Miss
+        self.tensors.append(obj)
+        return self._next(1)
+
+    def reduce_batch(self, batch: list[torch.Tensor]) -> Any:
+        self.tensors.extend(batch)
+        return self._next(len(batch))
+
+    def reduce_sourced(self, batch: SourcedBatch) -> Any:
+        # The quick lookup is safe here: this pickle is used only if the layouts match
+        # a full staging's, which ran the batch's checks (see SourcedBatch).
+        tensors = batch.quick()
+        return self.reduce_batch(batch.checked() if tensors is None else tensors)
+
+
+class StageCache:
+    """One queue's memory of its previous staged request (see the module docstring).
+
+    ``hits`` and ``misses`` count the saves that did and did not reuse it.
+    """
+
+    def __init__(self) -> None:
+        self._reduced: list[Any] | None = None
+        self._counts: list[int] = []
+        self._batch_dicts = True
+        self._layout: tuple[list, ...] | None = None
+        self._slots: tuple[Slot, ...] = ()
+        self._total = 0
+        self._threads = 0
+        self._shares: list[list[Segment]] = []
+        self._device = NO_DEVICE
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self._reduced = None
+        self._counts = []
+        self._layout = None
+        self._shares = []
+        self._device = NO_DEVICE
+
+    def remember(
+        self,
+        tensors: list[torch.Tensor],
+        reduced: list[Any],
+        counts: list[int],
+        reusable: bool,
+        batch_dicts: bool,
+        slots: tuple[Slot, ...],
+        host: list[Segment],
+        device: DevicePlan,
+        total: int,
+        threads: int,
+        *,
+        counted: bool = True,
+    ) -> None:
+        """After a full staging: keep what the next save of this layout can reuse.
+
+        ``reduced``/``counts``: each reducer call's result and how many of ``tensors`` it
+        described. ``batch_dicts``: whether that staging batched a ``BatchedWhenPickled``
+        state's dicts (False after it met a batched tensor twice; the next full staging tries
+        again). ``host``: the copy ranges with destinations relative to the arena's start.
+        ``counted``: a save missed the cache (False for a warm-up, which saves nothing).
+        """
+        self.misses += int(counted)
+        if not reusable or len(reduced) != len(counts) or sum(counts) != len(tensors):
+            self.clear()
+            return
+        try:
+            layout = layouts(tensors)
+        except Exception as exc:  # an exotic tensor: never reuse, stage fully
+            logger.debug("staging cache disabled for this request: %r", exc)
+            self.clear()
+            return
+        self._reduced = list(reduced)
+        self._counts = list(counts)
+        self._batch_dicts = batch_dicts
+        self._layout = layout
+        self._slots = slots
+        self._total = total
+        self._threads = threads
+        self._shares = plan_shares(host, threads)
+        self._device = device
+
+    def try_pickle(
+        self, obj: Any, dump: Callable[[Any, Any], bytes], threads: int
+    ) -> tuple[bytes, list[torch.Tensor]] | None:
+        """The payload of ``obj`` if its tensors are laid out as at the previous save, with
+        the tensors met (to keep alive while copying); None on any difference."""
+        layout = self._layout
+        if self._reduced is None or layout is None or threads != self._threads:
+            return None
+        guess = _Guess(self._reduced, self._counts, self._batch_dicts)
+        try:
+            payload = dump(obj, guess)
+            if guess.calls != len(self._reduced) or not unchanged(layouts, layout, guess.tensors):
+                return None
+        except Exception:  # _Miss, or anything the full path will report properly
+            return None
+        self.hits += 1
+        return payload, guess.tensors
+
+    def planned_for(self, slots: tuple[Slot, ...]) -> bool:
+        """Whether the cache holds the copy plan of the staging that laid out ``slots``
+        (just remembered)."""
+        return self._reduced is not None and self._slots is slots
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return self._slots
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    def prepare(self, arena: Arena, tensors: list[torch.Tensor]) -> None:
+        """Build in ``arena`` now what a save with the cached plan would build on first use
+        of it (the device copies' typed views): the warm-up's part of the first save.
+        ``tensors``: those the cache was filled from, in its order."""
+        if (
+            tensors
+            and self._reduced is not None
+            and self._device.slots
+            and arena.nbytes >= self._total
+        ):
+            destinations(self._device, arena, tensors, keep=True)
+
+    def copy(
+        self,
+        pool: ArenaPool,
+        wait_for_release: Callable[[], bool],
+        tensors: list[torch.Tensor],
+        *,
+        order: DeviceOrder | None = None,
+    ) -> Arena:
+        """Acquire an arena and copy into it with the cached plan (see ``copy_all``);
+        ``tensors``: the request's, in the order the plan indexes them."""
+        arena = pool.acquire(self._total, wait_for_release)
+        try:
+            # The device copies are issued first, to run while the host ranges are copied.
+            device_wait = start_copies(self._device, arena, tensors, keep=True, order=order)
+            copy_all(
+                (),
+                threads=self._threads,
+                device_wait=device_wait,
+                shares=self._shares,
+                base=arena.address,
+            )
+        except BaseException:
+            pool.release(arena.arena_id)
+            raise
+        return arena
