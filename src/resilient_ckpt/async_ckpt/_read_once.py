@@ -6,39 +6,28 @@ has each rank read all of them: a restore reads the checkpoint once per replica 
 storage while the job waits. Here the reads are planned across ranks inside the two
 collectives ``dcp.load`` already makes.
 
-**Unit of reading**: an item's byte range where a rank can read part of a file (a mapped
-local file), or the whole file where it cannot (an object is downloaded whole; the tiered
-reader checksums whole files); :meth:`ReadOnceReader._whole_files` says which.
-
-**The plan** (coordinator, ``prepare_global_plan``, which sees every ``LoadPlan``): a unit
-needed by one rank is read by it; a shared unit by the needer with the fewest bytes so far
-(largest units first, ties to the lowest rank), so reading is spread evenly. Each rank's
-:class:`ReadOrders` travel in its plan's ``storage_data``, in the scatter ``dcp.load`` makes
-anyway, rather than in an extra all-gather whose payload would grow with the job. Resharding
-stays the planner's. Orders are made only when the load spans every rank (the library's
-group carries the data), ``read_once`` is on (the coordinator decides), some unit is shared,
-and no item used stream transforms (those are read by torch's reader, on each rank).
+**The plan** (coordinator, ``prepare_global_plan``, which sees every ``LoadPlan``): the unit
+of reading is an item's byte range, or a whole file where a rank cannot read part of one
+(:meth:`ReadOnceReader._whole_files`). A unit needed by one rank is read by it; a shared unit
+by the needer with the fewest bytes so far (largest first, ties to the lowest rank). Each
+rank's :class:`ReadOrders` travel in its plan's ``storage_data``, in the scatter
+``dcp.load`` makes anyway, not in an extra all-gather whose payload would grow with the job.
+Orders are made only when the load spans every rank (the library's group carries the data),
+``read_once`` is on (the coordinator decides), some unit is shared, and no item used stream
+transforms; otherwise each rank reads all it needs, as torch's reader does.
 
 **The load** (``read_data``, every rank): (1) read this rank's units, for itself and others;
 (2) one agreement on the library's gloo group (:func:`~resilient_ckpt._dist.agree`), so a
-rank that failed to read is known before any data moves and every rank raises
+failed read is known before any data moves and every rank raises
 :class:`~resilient_ckpt.errors.RankCheckpointReadError` instead of waiting on a peer that
 will never send; (3) one message per pair of ranks, all posted at once
-(``batch_isend_irecv``), so there is no ordering to deadlock on; (4) copy into targets as
-the plain load does. A peer dying mid-transfer is bounded by the group's timeout.
+(``batch_isend_irecv``), so no ordering can deadlock; (4) copy into targets as the plain
+load does. Stored bytes travel over gloo; when every target is on CUDA and the default group
+is NCCL (agreed in step 2), tensor items are decoded by the reader and go over NCCL. A
+peer dying mid-transfer is bounded by the group's timeout.
 
-**Transport**: stored bytes over gloo, decoded by the receiver as if it had read them. When
-every rank's targets are on CUDA and the default group is NCCL (agreed in step 2), tensor
-items are decoded by the reader and go device to device over NCCL, 64-byte aligned; the
-receiver knows shapes and dtypes from the metadata. A message is built once per distinct
-item list (in pure data parallelism a reader sends one list to every peer).
-
-**Counting**: :class:`ReadCounter` counts data bytes read from storage where the reading
-happens (items taken from a mapped file, whole files downloaded or checksummed), not bytes
+:class:`ReadCounter` counts bytes read from storage where the reading happens, not bytes
 received from peers nor the metadata; :func:`bytes_read_by_rank` gathers every rank's.
-
-A load without a process group, with ``no_dist``, or on rank-local metadata plans one rank:
-no orders, each item read as before.
 """
 
 from __future__ import annotations

@@ -11,50 +11,34 @@ CPU or CUDA tensor to a descriptor (slot, dtype, size, stride, offset). The C pi
 the table only for tensor types, so the cost is one Python call per tensor; a
 ``persistent_id`` method would be called for every object pickled. Slots are keyed by
 *storage*, so views and tied weights stay shared exactly as ``torch.save`` would see them.
-:mod:`._copy` fills the slots; a request laid out like the previous one reuses its
-descriptors and copy plan (:mod:`._stage_cache`).
+:mod:`._copy` fills the slots; :mod:`._stage_cache` lets a request laid out like the previous
+one reuse its descriptors and copy plan. Lists of tensors our own code builds, and a
+``torch.save`` state's dicts of tensors, travel as one blob of descriptors
+(:class:`TensorBatch`, :class:`SourcedBatch`, :class:`TensorDict`). Worker side,
+:func:`unstage` rebuilds each descriptor as a tensor over its slot.
 
-Batches: lists our own code builds hold only tensors and travel as one blob of descriptors
-(:class:`TensorBatch`, :class:`SourcedBatch`); a ``torch.save`` state's dicts of tensors are
-batched where that rebuilds the same objects (:class:`TensorDict`).
+Overlapped staging (``overlap_staging=True``): all of :func:`stage` runs on one background
+thread until ``wait_for_snapshot`` (:class:`PendingSnapshot`). The request's objects, not
+only its tensors, must stay unchanged until the wait, which also raises pickling errors. CUDA
+copies are ordered after the call (:class:`._copy.DeviceOrder`). Only the trainer's thread
+reads worker results, so a background staging must never wait for an arena: the caller
+ensures one is free first.
 
-Worker side (:func:`unstage`): each descriptor becomes a tensor whose storage is its slot of
-the arena; names of the trainer's ``__main__`` resolve through
-:class:`._worker.MainAwareUnpickler`.
+Rejected: ``torch.multiprocessing`` queues ``share_memory_`` CPU tensors *in place*, so the
+trainer's tensors would alias the checkpoint and each save would make segments;
+``multiprocessing.shared_memory`` leaves files in ``/dev/shm`` when killed; caching the
+pickled request fails because its non-tensor part (paths, tokens) changes every save (the
+stable, expensive part, DCP write items, is cached per plan in :mod:`._dcp_buckets`).
 
-Overlapped staging (``overlap_staging=True``): the whole of :func:`stage` runs on one
-background thread until ``wait_for_snapshot`` (:class:`PendingSnapshot`). The request's
-objects, not only its tensors, must stay unchanged until the wait, and pickling errors are
-raised by the wait. CUDA copies run on side streams ordered after the call
-(:class:`._copy.DeviceOrder`). Only the trainer's thread reads worker results, so a
-background staging must never wait for an arena: the caller ensures one is free first.
-
-Alternatives rejected:
-
-* ``torch.multiprocessing`` queues ``share_memory_`` CPU tensors *in place*: the trainer's
-  tensors would alias the checkpoint, and each save would make new segments.
-* ``multiprocessing.shared_memory`` leaves files in ``/dev/shm`` when killed (:mod:`._arena`).
-* Caching the pickled request: its non-tensor part (paths, tokens) changes every save. The
-  expensive, stable part, DCP write items, is cached per plan (:mod:`._dcp_buckets`).
-* Issuing device copies inside an overlapped save call: it would cost more than a plain copy.
-
-**Deferred planning** (``defer_planning=True``, opt-in, every rank alike): with the structure
-unchanged, the save call's decision is almost always "the cached plan holds", so that check
-(and a re-plan if any rank changed) moves from the call into the staging of the request, off
-the trainer's path when staging is overlapped. Async DCP
-(``save_state_dict_async_plan(..., enable_cache=True)``) returns placeholder global metadata
-that the planning fills in place, and passes its write buckets as a :class:`DeferredList`;
-``LocalCheckpointManager`` defers its iteration check and shard layout the same way.
-
-The staging runs the very same planning, later: its collectives use the library's
-*background* gloo group (:func:`resilient_ckpt._dist.background_group`), so they never
-interleave with the trainer thread's collectives, and always on the one staging thread
-(:func:`in_staging_order`), so every rank plans deferred saves in the same order. The caller
-gives up: planning errors are raised where the request is staged (the schedule call, or
-``wait_for_snapshot``), on every rank alike, and the state's structure must stay as it was
-until then. The persistent queue resolves deferred arguments before pickling
-(:func:`resolve_deferred`); a ``preload_fn`` resolves its own; pickled unresolved, a
-:class:`DeferredList` refuses.
+**Deferred planning** (``defer_planning=True``; the user's contract is in
+:func:`.state_dict_saver.save_state_dict_async_plan` and ``LocalCheckpointManager``): the
+save's planning runs when its request is staged, the payload being a :class:`DeferredList`.
+It is the very same planning, later: its collectives use the library's *background* gloo
+group (:func:`resilient_ckpt._dist.background_group`), so they never interleave with the
+trainer thread's, and it always runs on the one staging thread (:func:`in_staging_order`),
+so every rank plans deferred saves in the same order. The persistent queue resolves deferred
+arguments before pickling (:func:`resolve_deferred`), a ``preload_fn`` resolves its own, and
+a :class:`DeferredList` pickled unresolved refuses.
 """
 
 from __future__ import annotations
