@@ -190,8 +190,8 @@ def _unpickle(
     expect: type | tuple[type, ...] | None,
 ) -> Any:
     # ``allowed`` None: every global (the caller's user trusts the file's origin).
-    # Read whole first: only then is "empty" or "truncated" a fact about the file (the
-    # unpickler reads ahead of what it has consumed).
+    # Read whole first: these files are small, and only then is "empty" or "truncated" a
+    # fact about the file (the unpickler reads ahead of what it has consumed).
     data = file.read()
     if not data:
         raise CorruptCheckpointError(f"{path}: is empty", path=path)

@@ -113,7 +113,8 @@ class _NvrxAliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if module.__name__ == NVRX_TOP:
             _fill_top_package(module)
             return
-        # The import system set __spec__ to the alias spec; put our module's own back.
+        # Between create_module and here the import system set __spec__ of our module to
+        # the alias spec; put its own spec back.
         alias_spec = module.__spec__
         if alias_spec is not None and alias_spec.loader is self:
             module.__spec__ = alias_spec.loader_state
