@@ -190,16 +190,15 @@ def agree(
 ) -> list[Outcome]:
     """Every rank's outcome of ``what``, in group-rank order; raise everywhere on any error.
 
-    Collective over ``group`` (default: the library group over all ranks); every rank
-    passes the same ``what``, the same number of ``ints`` and the same ``with_payload``.
-    ``error`` is this rank's exception (None: it succeeded). ``ints`` travel in one tensor
-    all-gather; with ``with_payload`` the ``payload`` objects travel instead, in one object
-    all-gather. ``local_only`` agrees with this rank alone (no collective).
+    Collective over ``group`` (default: the library group); every rank passes the same
+    ``what``, number of ``ints`` and ``with_payload``. ``error``: this rank's exception (None:
+    success). ``ints`` travel in one tensor all-gather, or with ``with_payload`` the
+    ``payload`` objects in one object all-gather. ``local_only``: this rank alone.
 
-    Raises :class:`~resilient_ckpt.errors.RankFailureError` (or the subclass matching the
-    failures) on every rank if ``error`` was set on any: it names the failed ranks, carries
-    their messages and tracebacks, has ``details`` as attributes, and is chained to this
-    rank's ``error`` or else to the first failed rank's remote traceback.
+    Raises :class:`~resilient_ckpt.errors.RankFailureError` (the subclass matching the
+    failures) on every rank if any set ``error``: it names the failed ranks, carries their
+    messages and tracebacks and ``details`` as attributes, chained to this rank's ``error`` or
+    the first failed rank's remote traceback.
     """
     me = _group_rank(group, local_only)
     mine = RankFailure.of(me, error) if error is not None else None

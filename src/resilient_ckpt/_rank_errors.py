@@ -250,13 +250,9 @@ def from_checkpoint_exception(what: str, exc: CheckpointException) -> RankFailur
 
 
 def error_class_for(kinds: Sequence[Sequence[str]]) -> type[RankFailureError]:
-    """The class every rank raises, from each failed rank's error kinds (rank order).
-
-    A rank's kinds are the class names of its exception's MRO, most derived first, so an
-    ``ObjectStoreError`` counts as a ``StorageError``. A dead worker outranks everything
-    (the process is gone, other failures are its consequences); otherwise the first failed
-    rank's most derived known kind decides; none known gives the base class.
-    """
+    """The class every rank raises, from each failed rank's MRO class names (rank order): a
+    dead worker outranks everything (other failures are its consequences); else the first
+    failed rank's most derived known kind; else the base class."""
     if any(WorkerDiedError.__name__ in names for names in kinds):
         return RankWorkerDiedError
     for name in kinds[0] if kinds else ():

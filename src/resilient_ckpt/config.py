@@ -40,7 +40,7 @@ variable                         default  meaning
 RESILIENT_CKPT_LOCAL_LOAD_MMAP   1        map local copies' files to load them (0: read)
 RESILIENT_CKPT_READ_ONCE         1        a DCP load reads a byte range ranks share once
 RESILIENT_CKPT_NVRX_ALIAS        unset    alias ``nvidia_resiliency_ext`` in every process
-LOCAL_WORLD_SIZE                 -        ranks per node (``torchrun``): the replication jump
+LOCAL_WORLD_SIZE                 -        ranks per node (``torchrun``): default replication jump
 ===============================  =======  ================================================
 
 See :mod:`resilient_ckpt.local._reader` (mmap), :mod:`resilient_ckpt.async_ckpt._read_once`

@@ -506,11 +506,8 @@ class BaseCheckpointManager(ABC):
         return True
 
     def _first_round(self, holder: int, iteration: int, use_replicas: bool) -> list[CopyInfo]:
-        """Copies ``holder`` verifies first: its own, and replicas of owners that hold none.
-
-        Decided from the catalogue alone, so every rank knows every rank's choice. After a
-        node loss this reads the lost shards at once, in parallel with the holder's own.
-        """
+        """Copies ``holder`` verifies first: its own, and replicas of owners that hold none
+        (decided from the catalogue alone, so every rank knows every rank's choice)."""
         copies = _catalogue.copies_of(self._catalogue, holder, iteration)
         if not use_replicas:
             return [c for c in copies if c.owner == holder]
@@ -562,12 +559,8 @@ class BaseCheckpointManager(ABC):
     def _verify_iteration(
         self, iteration: int, use_replicas: bool
     ) -> dict[int, list[CkptID]] | None:
-        """Holders of a verified copy of each shard (by rank), or None if a shard has none.
-
-        Round one verifies the copies of :meth:`_first_round`; a second round, only if some
-        shard is still without a verified copy (a corrupt owner copy), verifies the other
-        replicas of those shards.
-        """
+        """Holders of a verified copy of each shard (by rank), or None if a shard has none:
+        the two rounds of the module docstring."""
         me, world = self.rank, self.world_size
         first = self._first_round(me, iteration, use_replicas)
         forwarding = self._forwarding(iteration, use_replicas)
