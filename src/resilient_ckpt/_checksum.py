@@ -1,17 +1,13 @@
 """CRC-32 of checkpoint bytes, with the fastest implementation that is installed.
 
-Every local and tiered checkpoint byte is checksummed when it is written, read or received,
-and every async DCP data file while it is written and when ``verify`` reads it, so the
-CRC's speed bounds the speed of those loads and writes: ``zlib.crc32`` (the standard
-library; zlib 1.2.x computes about 1 byte per cycle) is slower than a disk read of the same
-bytes on a fast SSD or from the host's cache. ISA-L (``isal``) and zlib-ng compute the
-*same* CRC-32 (polynomial, initial value and final xor of zlib's) with carry-less
-multiplication, several times faster, and release the GIL like zlib. Whichever is
-importable is used (ISA-L first); checkpoints written with one verify with any other, so
-installing or removing the optional ``fast`` extra never invalidates a checkpoint.
-
-The choice is made once, at import: a library must not switch implementations between the
-write and the check of one file for no reason a user could see.
+Every local and tiered checkpoint byte is checksummed when written, read or received, and
+every async DCP data file when written and verified, so the CRC's speed bounds those paths;
+``zlib.crc32`` can be slower than reading the same bytes from a fast SSD. ISA-L (``isal``)
+and zlib-ng compute the *same* CRC-32 (zlib's polynomial, initial value and final xor) with
+carry-less multiplication and release the GIL like zlib. The first importable one is used
+(ISA-L, zlib-ng, zlib), chosen once at import so one file's write and check never switch
+implementations; a checkpoint written with one verifies with any other, so the optional
+``fast`` extra never invalidates one.
 """
 
 from __future__ import annotations

@@ -1,29 +1,21 @@
 """Distributed plumbing shared by every layer: the library's group, this rank, agreement.
 
-Decisions:
-
-* **The library's own group.** Our collectives run on a *gloo* group the library creates,
-  so they work the same in CPU-only and GPU jobs, never touch CUDA and never interleave
-  with the user's NCCL collectives. ``dist.new_group`` is itself collective, so the group is
-  created lazily inside the first library call every rank makes anyway (a finalize, a
-  local save); its timeout is the collective deadline (:mod:`.config`), so a rank that
-  vanished makes the others fail instead of waiting forever. One group per default group.
-* **This rank** is the default group's rank, 0 without a process group: one function, so
-  a log line, a file name and an error message never disagree about who "I" am.
-* **One agreement primitive.** :func:`agree` turns a step that may have failed on some
-  ranks into one outcome on every rank. Each rank contributes a failure flag and a few
-  integers in one tensor all-gather (the common, successful case costs one round trip), or
-  an object payload in one object all-gather. Only if some rank failed does a second
-  object all-gather collect each failed rank's error *as text* (class names, message,
-  traceback): exception objects may not pickle and their classes may not exist on the
-  other side. Every rank then raises the same
-  :class:`~resilient_ckpt.errors.RankFailureError` (a subclass chosen from the failures'
-  classes, see :mod:`._rank_errors`) naming the failed ranks, instead of the healthy ranks
-  waiting in the next collective until the deadline and reporting a timeout.
-
-Alternatives not taken: torch's ``_DistWrapper.all_reduce`` (gathers on a coordinator,
-runs on the user's group, raises a ``BaseException``), and gathering the error objects
-themselves (they do not survive pickling reliably).
+* **The library's own gloo group**, so our collectives work the same in CPU-only and GPU
+  jobs, never touch CUDA and never interleave with the user's NCCL collectives. Creating it
+  is collective, so it happens lazily in the first library call every rank makes anyway (a
+  finalize, a local save); its timeout is the collective deadline (:mod:`.config`), so a
+  vanished rank makes the others fail instead of wait. One group per default group.
+* **This rank** is the default group's rank (0 without one), from one function, so a log
+  line, a file name and an error never disagree about who "I" am.
+* **One agreement primitive**, :func:`agree`: a step that may have failed on some ranks
+  becomes one outcome on every rank. The successful case is one tensor all-gather (a failure
+  flag and a few integers) or one object all-gather (a payload). Only if a rank failed does a
+  second all-gather collect each failed rank's error *as text*: exception objects may not
+  pickle, their classes may not exist elsewhere. Every rank then raises the same
+  :class:`~resilient_ckpt.errors.RankFailureError` (class chosen by :mod:`._rank_errors`)
+  naming the failed ranks, instead of the healthy ones timing out in the next collective.
+  Not torch's ``_DistWrapper.all_reduce``: it gathers on a coordinator, runs on the user's
+  group and raises a ``BaseException``.
 """
 
 from __future__ import annotations
@@ -79,20 +71,15 @@ def library_group(timeout: float | None = None) -> Any:
 
 
 def background_group(timeout: float | None = None) -> Any:
-    """A second library gloo group over all ranks, for collectives that run off the
-    trainer's thread (a deferred save's planning, on the staging thread): a collective there must
-    not interleave with the trainer's own on the library group, and each thread keeps its
-    collectives in the same order on every rank only on a group of its own.
-
-    Collective on first use, like :func:`library_group`.
-    """
+    """A second library gloo group, for collectives off the trainer's thread (a deferred
+    save's planning): each thread keeps its collectives in the same order on every rank only
+    on a group of its own. Collective on first use."""
     library_group(timeout)  # both exist, created in the same order on every rank
     return _gloo_group(-id(dist.group.WORLD), "library background", timeout)
 
 
 def _gloo_group(key: int, what: str, timeout: float | None) -> Any:
-    """The gloo group over all ranks cached under ``key``, created (collectively) on first
-    use with ``timeout`` (default: the collective deadline)."""
+    """The gloo group cached under ``key``, created (collectively) on first use."""
     group = _groups.get(key)
     if group is None:
         seconds = default_timeouts().collective if timeout is None else timeout
@@ -103,8 +90,7 @@ def _gloo_group(key: int, what: str, timeout: float | None) -> Any:
 
 
 def known_group_name(group: Any) -> str | None:
-    """``"library"`` or ``"library background"`` when ``group`` is one of the library's
-    groups, else None (creates nothing: a diagnostic for tools that count collectives)."""
+    """``"library"`` or ``"library background"`` if ``group`` is one of ours, else None."""
     for key, found in _groups.items():
         if found is group:
             return "library" if key >= 0 else "library background"
@@ -145,11 +131,10 @@ def barrier(timeout: float | None = None) -> None:
 class RankFailure:
     """One rank's error as it travels between ranks: text only.
 
-    ``kinds`` are the class names of the exception's MRO, most derived first (they choose
-    the class every rank raises); ``traceback`` is where the error started, in the
-    background worker when it came from there; ``exitcode`` is set for a dead process;
-    ``path`` and ``global_name`` are a checkpoint file's error's ``path`` and (refused
-    global) ``name``, which every rank's error carries, from the first rank that had them.
+    ``kinds``: the MRO's class names, most derived first (they choose the class every rank
+    raises); ``traceback``: where it started, in the worker if it came from there;
+    ``exitcode``: set for a dead process; ``path``, ``global_name``: a checkpoint file
+    error's ``path`` and refused global ``name``, which every rank's error carries.
     """
 
     rank: int
@@ -205,16 +190,15 @@ def agree(
 ) -> list[Outcome]:
     """Every rank's outcome of ``what``, in group-rank order; raise everywhere on any error.
 
-    Collective over ``group`` (default: the library group over all ranks); every rank
-    passes the same ``what``, the same number of ``ints`` and the same ``with_payload``.
-    ``error`` is this rank's exception (None: it succeeded). ``ints`` travel in one tensor
-    all-gather; with ``with_payload`` the ``payload`` objects travel instead, in one object
-    all-gather. ``local_only`` agrees with this rank alone (no collective).
+    Collective over ``group`` (default: the library group); every rank passes the same
+    ``what``, number of ``ints`` and ``with_payload``. ``error``: this rank's exception (None:
+    success). ``ints`` travel in one tensor all-gather, or with ``with_payload`` the
+    ``payload`` objects in one object all-gather. ``local_only``: this rank alone.
 
-    Raises :class:`~resilient_ckpt.errors.RankFailureError` (or the subclass matching the
-    failures) on every rank if ``error`` was set on any: it names the failed ranks, carries
-    their messages and tracebacks, has ``details`` as attributes, and is chained to this
-    rank's ``error`` or else to the first failed rank's remote traceback.
+    Raises :class:`~resilient_ckpt.errors.RankFailureError` (the subclass matching the
+    failures) on every rank if any set ``error``: it names the failed ranks, carries their
+    messages and tracebacks and ``details`` as attributes, chained to this rank's ``error`` or
+    the first failed rank's remote traceback.
     """
     me = _group_rank(group, local_only)
     mine = RankFailure.of(me, error) if error is not None else None
@@ -278,8 +262,8 @@ def _agreed_error(
     me: int,
     details: dict[str, Any],
 ) -> CheckpointingException:
-    # Imported here: it needs torch.distributed.checkpoint (about a second to import), which
-    # the success path and the background workers never load.
+    # Imported here: it needs torch.distributed.checkpoint, which the success path and the
+    # background workers never load.
     from ._rank_errors import error_class_for, local_failure, remote_failure
 
     ranks = [f.rank for f in failures]

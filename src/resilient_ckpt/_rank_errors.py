@@ -1,23 +1,17 @@
 """The error every rank raises when a step failed on some ranks (see :func:`._dist.agree`).
 
-Decision: one type, :class:`RankFailureError`, derived from both our root
-:class:`~resilient_ckpt.errors.CheckpointingException` and torch's
-``torch.distributed.checkpoint.CheckpointException``, so NVRx-style code
-(``except CheckpointException``, reading ``.failures``) and ours
-(``except CheckpointingException``, reading ``.failed_ranks``) both catch a failed save. Its
-subclasses keep the class a caller already catches: a bad argument on one rank is a
-:class:`RankConfigurationError`, still a ``ConfigurationError`` (and a ``ValueError``) on
-every rank; a dead background worker is a :class:`RankWorkerDiedError`, still a
-``WorkerDiedError``.
+One type, :class:`RankFailureError`, derives from both our
+:class:`~resilient_ckpt.errors.CheckpointingException` and torch's ``CheckpointException``,
+so NVRx-style code (``except CheckpointException``, ``.failures``) and ours
+(``except CheckpointingException``, ``.failed_ranks``) both catch a failed save. Subclasses
+keep the class a caller already catches (:class:`RankConfigurationError` is still a
+``ConfigurationError`` and ``ValueError``; :class:`RankWorkerDiedError` a ``WorkerDiedError``).
 
-MRO of the base: ``RankFailureError -> CheckpointingException -> Exception ->
-CheckpointException -> BaseException``. It is an ``Exception`` (``except Exception`` catches
-it, unlike torch's own ``CheckpointException``), and ``__str__`` is ours, not torch's.
-
-Why a module of its own: torch's ``CheckpointException`` lives in
-``torch.distributed.checkpoint``, whose import pulls in DTensor and takes about a second.
-:mod:`resilient_ckpt.errors` (imported by every background worker) stays light and hands
-these names out on first use; :func:`._dist.agree` imports them only when some rank failed.
+Pitfall: torch's ``CheckpointException`` is a ``BaseException``. Ours puts ``Exception``
+first in the MRO (``RankFailureError -> CheckpointingException -> Exception ->
+CheckpointException -> BaseException``), so ``except Exception`` catches it; ``__str__`` is
+ours. A module of its own because importing torch's class pulls in DCP and DTensor:
+:mod:`resilient_ckpt.errors` hands these names out on first use.
 """
 
 from __future__ import annotations
@@ -134,16 +128,12 @@ def is_wrapped_failure(obj: Any) -> bool:
 
 
 def wrap_for_gather(exc: BaseException, wrap: Callable[[BaseException], Any] | None = None) -> Any:
-    """``(exception, stack summary)`` as ``wrap`` makes it (:func:`local_failure` by
-    default), made safe to pickle, because ``gather_object`` pickles it on the failing
-    rank: a pickling error there would leave the other ranks waiting in the gather instead
-    of reporting the failure (NVRx's ``filesystem_async._wrap_exception_for_gather``, which
-    passes that module's ``_wrap_exception``).
-
-    Frames lose their code objects (Python 3.13+ keeps one per frame); an exception that
-    still does not pickle (a lock, a socket, a lambda among its attributes) is replaced by
-    a :class:`~resilient_ckpt.errors.RemoteExceptionError` carrying its type, message and
-    traceback text.
+    """``(exception, stack summary)`` as ``wrap`` makes it (default :func:`local_failure`),
+    made safe to pickle: ``gather_object`` pickles it on the failing rank, and a pickling
+    error there would leave the other ranks waiting in the gather (NVRx's
+    ``filesystem_async._wrap_exception_for_gather``). An exception that still does not pickle
+    is replaced by a :class:`~resilient_ckpt.errors.RemoteExceptionError` with its type,
+    message and traceback text.
     """
     wrapped, stack = (wrap or local_failure)(exc)
     _drop_code_objects(stack)
@@ -166,14 +156,13 @@ def wrap_for_gather(exc: BaseException, wrap: Callable[[BaseException], Any] | N
 
 
 def local_failure(exc: BaseException) -> Any:
-    """torch's ``(exception, StackSummary)`` pair for this rank's own exception, as torch's
-    own private helper makes it, its frames without their code objects."""
+    """torch's ``(exception, StackSummary)`` pair for this rank's own exception."""
     return exc, _drop_code_objects(traceback.extract_tb(exc.__traceback__))
 
 
 def _drop_code_objects(stack: traceback.StackSummary) -> traceback.StackSummary:
-    """``stack`` with its frames' code objects removed, in place (Python 3.13+ keeps one
-    per frame, and a code object does not pickle)."""
+    """``stack`` without its frames' code objects (Python 3.13+ keeps them; they do not
+    pickle), in place."""
     for frame in stack:
         if getattr(frame, "_code", None) is not None:
             object.__setattr__(frame, "_code", None)
@@ -261,13 +250,9 @@ def from_checkpoint_exception(what: str, exc: CheckpointException) -> RankFailur
 
 
 def error_class_for(kinds: Sequence[Sequence[str]]) -> type[RankFailureError]:
-    """The class every rank raises, from each failed rank's error kinds (rank order).
-
-    A rank's kinds are the class names of its exception's MRO, most derived first, so an
-    ``ObjectStoreError`` counts as a ``StorageError``. A dead worker outranks everything
-    (the process is gone, other failures are its consequences); otherwise the first failed
-    rank's most derived known kind decides; none known gives the base class.
-    """
+    """The class every rank raises, from each failed rank's MRO class names (rank order): a
+    dead worker outranks everything (other failures are its consequences); else the first
+    failed rank's most derived known kind; else the base class."""
     if any(WorkerDiedError.__name__ in names for names in kinds):
         return RankWorkerDiedError
     for name in kinds[0] if kinds else ():

@@ -1,33 +1,22 @@
 """The one unpickler for files in our formats and DCP's: it never runs a file's code.
 
-A pickle names the globals it needs and the unpickler imports and calls them, so loading
-a pickle from elsewhere runs whatever it names (``os.system`` included). The files read
-here (a DCP checkpoint's ``.metadata``, the tiered manager's commit records and file
-tables) hold plain data: DCP's metadata dataclasses (and the save plans a decentralized
-save keeps there), ``torch.Size``, dtypes and layouts, paths, and builtin containers.
-:func:`load` allows exactly those and refuses anything else with
-:class:`~resilient_ckpt.errors.UnsafeCheckpointError`, naming the file and the global,
-before anything is imported. Damaged files (empty, truncated, not a pickle, or a pickle
-of the wrong kind) raise :class:`~resilient_ckpt.errors.CorruptCheckpointError` naming the
-file and what is wrong with it.
+Unpickling imports and calls whatever globals the pickle names (``os.system`` included). The
+files read here (DCP's ``.metadata``, the tiered manager's commit records and file tables)
+hold plain data: DCP's metadata dataclasses and save plans, ``torch.Size``, dtypes, layouts,
+paths, builtin containers. :func:`load` allows exactly those, by exact (module, name) resolved
+from already imported objects, and refuses anything else before importing it
+(:class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming file and global); a damaged file
+is a :class:`~resilient_ckpt.errors.CorruptCheckpointError` saying what is wrong.
 
-Decision: an allow-list by exact (module, name), resolved from objects this process has
-already imported, rather than torch's ``weights_only`` unpickler: that one is built for
-``torch.save`` archives (it is not public for plain pickles), and its allow-list lacks
-DCP's metadata classes. The one extension point is torch's: a global the user marked safe
-with ``torch.serialization.add_safe_globals`` (or inside its ``safe_globals`` context) is
-allowed too, read at each load, so a user who trusts a file with a custom class in it
-allows that class the way ``torch.load(weights_only=True)`` would.
+Not torch's ``weights_only`` unpickler: it is built for ``torch.save`` archives (not public
+for plain pickles) and lacks DCP's classes. Its extension point is honoured though: a global
+the user marked safe (``torch.serialization.add_safe_globals`` or ``safe_globals``, read at
+each load) is allowed, as ``torch.load(weights_only=True)`` would.
 
-User state is a second question. The managers' safe mode (``weights_only=True``) reads
-a local checkpoint's pickled state with :func:`load_state`: the same unpickler, allowing
-plain values (torch's default ``weights_only`` list: builtin containers, ``torch.device``
-and the like), the caller's format classes, and the user's safe globals; what a
-``torch.save`` archive holds goes through :func:`torch_load`, torch's own
-``weights_only`` load, whose refusals are turned into the same named error, and its
-failures on a damaged file into the same :class:`~resilient_ckpt.errors.CorruptCheckpointError`.
-It is the package's one safe ``torch.load`` (the command-line tool's too, whose ``--trust``
-takes its ``trusted`` path: the same named errors for a damaged file, without the allow-list).
+User state, in the managers' safe mode (``weights_only=True``): :func:`load_state` reads our
+formats' pickles with plain values, the format's classes and the user's safe globals;
+:func:`torch_load`, the package's one safe ``torch.load`` (the CLI's ``--trust`` too), reads
+``torch.save`` archives and maps torch's refusals and failures to the same named errors.
 """
 
 from __future__ import annotations
@@ -81,11 +70,9 @@ def _plain() -> dict[Global, Any]:
 
 
 class StoredPath(os.PathLike):
-    """A storage library's path object in a DCP ``.metadata``, read back as the plain path
-    it names. multi-storage-client's writer records ``storage_meta.checkpoint_id`` as its
-    ``MultiStoragePath``, whose unpickling sets up a storage client for whatever path the
-    file names; the metadata only records the path, so this stand-in keeps it as a string
-    (``str()`` and ``os.fspath()`` give it)."""
+    """A storage library's path object in a DCP ``.metadata`` (multi-storage-client records
+    ``checkpoint_id`` as a ``MultiStoragePath``, whose unpickling would set up a storage
+    client), read back as the plain path string it names."""
 
     def __init__(self, path: str = "") -> None:
         self.path = path
@@ -143,8 +130,7 @@ def _format_globals() -> dict[Global, Any]:
 
 @functools.cache
 def _state_globals() -> dict[Global, Any]:
-    """Plain values a user's state holds, as torch's ``weights_only`` allows them by default
-    (tensors excepted: they are not in the pickles read here)."""
+    """Plain values a user's state holds: torch's default ``weights_only`` list, no tensors."""
     allowed = dict(_plain())
     allowed.update(
         {
@@ -253,12 +239,10 @@ def load(
     expect: type | tuple[type, ...] | None = None,
     trusted: bool = False,
 ) -> Any:
-    """Unpickle ``file`` (read from its current position; ``path`` names it in errors),
-    allowing only the globals of our and DCP's formats (and those the user marked safe).
-    With ``expect``, the object must be an instance of it (a pickle of another kind is a
-    named error). ``trusted=True`` allows every global, as ``pickle.load`` does (the file
-    can run code): for a caller whose user said the file's origin is trusted; damaged files
-    get the same named errors."""
+    """Unpickle ``file`` (from its position; ``path`` names it in errors), allowing only the
+    globals of our and DCP's formats and the user's safe globals. With ``expect``, a value of
+    another type is a named error. ``trusted=True`` allows every global (the file can run
+    code), for a caller whose user trusts its origin; damaged files get the same errors."""
     allowed = None if trusted else _format_globals()
     return _unpickle(cast(IO[bytes], file), path, allowed, _FORMAT_REFUSAL, expect)
 
@@ -283,11 +267,10 @@ def load_state(
     "global marked safe with torch.serialization.add_safe_globals",
     expect: type | tuple[type, ...] | None = None,
 ) -> Any:
-    """Unpickle a user's state saved in one of our formats, in safe mode: plain values
-    (see :func:`_state_globals`), the classes in ``allowed`` (the format's own, by their
-    module and qualified name) and the globals the user marked safe. A ``pickle.loads``
-    call in the file (how our formats splice parts pickled once) unpickles its payload under
-    the same rules. ``refusal`` says, in a refused global's error, why it was refused."""
+    """Unpickle a user's state in one of our formats, in safe mode: plain values, the format's
+    classes in ``allowed`` and the user's safe globals. A nested ``pickle.loads`` (how our
+    formats splice parts pickled once) follows the same rules. ``refusal`` says, in a refused
+    global's error, why."""
     table = dict(_state_globals())
     table.update({(c.__module__, c.__qualname__): c for c in allowed})
 
@@ -310,17 +293,15 @@ def torch_load(
     **kwargs: Any,
 ) -> Any:
     """``torch.load`` of a ``torch.save`` file: ``data`` is its bytes, or a binary file read
-    from its current position; ``path`` names it in errors; ``kwargs`` go to ``torch.load``
-    (``map_location``, ...).
+    from its position; ``path`` names it in errors; ``kwargs`` go to ``torch.load``.
 
-    Safe unless ``trusted``: ``weights_only=True``, the globals in ``allowed`` (objects, or
-    ``(object, "module.name")`` pairs as torch takes them) allowed during this load besides
-    the user's. A refused global is an :class:`~resilient_ckpt.errors.UnsafeCheckpointError`
-    naming ``path`` and the global, saying how to allow it and, in ``trust_advice``, how the
-    caller's user loads a file they trust. ``trusted``: ``weights_only=False``, the file may
-    run any code. Either way a damaged file (empty, cut short, not a ``torch.save`` file) is a
-    :class:`~resilient_ckpt.errors.CorruptCheckpointError` naming ``path`` and what is
-    wrong; an ``OSError`` (the storage failed, not the file) passes unchanged.
+    Safe unless ``trusted``: ``weights_only=True`` with ``allowed`` (objects, or
+    ``(object, "module.name")`` pairs) allowed for this load besides the user's safe globals. A
+    refused global is an :class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming ``path``
+    and the global, how to allow it and (``trust_advice``) how to load a trusted file.
+    ``trusted``: ``weights_only=False``, the file may run any code. Either way a damaged file
+    is a :class:`~resilient_ckpt.errors.CorruptCheckpointError`; an ``OSError`` (the storage
+    failed, not the file) passes unchanged.
     """
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     start = _tell(stream)
@@ -378,9 +359,8 @@ def _refused_globals(exc: BaseException, stream: IO[bytes], start: int) -> list[
 
 
 def _what_is_wrong(exc: BaseException, stream: IO[bytes], start: int) -> str:
-    """What a ``torch.load`` failure says about the file: empty, cut short, or unreadable
-    (in torch's own words, first line: zip archives, its legacy format and the pickle
-    inside fail each in their own way, from ``RuntimeError`` to ``UnicodeDecodeError``)."""
+    """What a ``torch.load`` failure says about the file: empty, cut short, or unreadable in
+    torch's own words (first line; each format fails in its own way)."""
     size = _size(stream)
     if size is not None and start >= 0 and size == start:
         return "is empty"

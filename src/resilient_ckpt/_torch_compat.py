@@ -1,77 +1,57 @@
 """Every torch name the package uses that torch does not promise to keep, and what differs
-between the torch releases it supports (``torch>=2.4``).
+between the torch releases it supports (2.4.1, 2.5.1, 2.11, 2.13).
 
-Decision: the rest of the package uses torch's public API only. Where the job needs a
-private name (one torch may rename or drop in any release), it is reached here, through a
-small function, and nowhere else; each has a fallback built on public API, correct where
-the private name is gone, if slower or less informed. Each fallback is tested by making the
-name disappear (``tests/unit/test_torch_compat.py``). The alternative, vendoring copies of
-the private functions, would freeze today's behaviour where torch changes it on purpose
-(the byte layout of a DCP file, the names its metadata pickles), so the private name stays
-first wherever it exists.
+Decision: the rest of the package uses public torch API only. A private name is reached here,
+through a small function, with a fallback on public API that is correct where the name is
+gone, if slower or less informed; ``tests/unit/test_torch_compat.py`` makes each name
+disappear to test its fallback. The private name stays first where it exists rather than a
+vendored copy, because a copy would freeze behaviour torch changes on purpose (a DCP file's
+byte layout, the names its metadata pickles). Each is looked up once by a
+``functools.cache``d loader (tests call ``__wrapped__`` to look again), on first use: the
+background worker imports this module and must not pay for DCP or DTensor unless it uses them.
 
-Private names held here ("tested with 2.13": the release CI runs; the package supports
-2.4.1, 2.5.1, 2.11 and 2.13):
+The private names, what each is for, the releases tested and the fallback:
 
 ``torch.distributed.checkpoint.filesystem._write_item`` (:func:`write_item`)
-    Serialises one DCP item into a data file exactly as ``FileSystemWriter`` does, so our
-    files are byte-identical to torch's (its parameters grew over releases, from 4 to 6;
-    the call adapts to the signature it finds). Tested with 2.13. Fallback: the same steps
-    with public calls (the writer's stream transforms, ``torch.save`` of the tensor or the
-    raw bytes, a ``WriteResult`` locating them).
+    Serialises one DCP item exactly as ``FileSystemWriter`` does, so our files are
+    byte-identical to torch's; adapts to its 4, 5 or 6 parameters. Tested: 2.13. Fallback:
+    the same steps in public calls (stream transforms, ``torch.save``, a ``WriteResult``).
 ``torch.distributed.checkpoint.filesystem._StorageInfo`` (:func:`storage_info`)
-    Where an item lies in a data file (path, offset, length), as the metadata of every DCP
-    checkpoint pickles it and ``FileSystemReader`` reads it. Used by the ``write_item``
-    fallback only. Tested with 2.13. Fallback: a dataclass of the same fields, which the
-    readers use by attribute.
+    An item's (path, offset, length) as DCP metadata pickles it; used by the ``_write_item``
+    fallback. Tested: 2.13. Fallback: a dataclass of the same fields (readers use attributes).
 ``torch.distributed.checkpoint.filesystem._StoragePrefix`` (:func:`storage_prefix`,
 :func:`prefix_of`)
-    The ``storage_data`` of a save plan naming a rank's file prefix (``__<rank>_``), as
-    ``FileSystemWriter.prepare_global_plan`` (which our writer inherits) sets it. Tested
-    with 2.13. Fallback: a dataclass with ``prefix``; any plan value carrying a ``prefix``
-    string is accepted.
+    A save plan's ``storage_data`` naming a rank's file prefix, as the inherited
+    ``prepare_global_plan`` sets it. Tested: 2.13. Fallback: a dataclass with ``prefix``; any
+    value carrying a ``prefix`` string is accepted.
 ``torch.storage._dtype_to_storage_type_map`` (:func:`storage_type_dtypes`)
-    The legacy storage names (``"FloatStorage"``) that ``torch.save`` pickles for each dtype,
-    read back by the archive reader of ``async_ckpt.cached_metadata_filesystem_reader``.
-    Tested with 2.13.
-    Fallback: the same table written out (torch froze it: new dtypes are saved another way).
+    The legacy storage names (``"FloatStorage"``) ``torch.save`` pickles per dtype, read by
+    the archive reader of :mod:`~resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader`.
+    Tested: 2.13. Fallback: the table written out (torch froze it).
 ``torch._utils._rebuild_tensor_v2`` (:data:`REBUILD_TENSOR`)
-    The function a ``torch.save`` pickle calls to rebuild a tensor from its storage, which
-    the archive reader of ``async_ckpt.cached_metadata_filesystem_reader`` recognises by
-    name. Tested with 2.13. Fallback: a pickle naming anything else is not read by that
-    reader; torch's own ``FileSystemReader`` path reads the item instead.
+    The call a ``torch.save`` pickle makes per tensor, recognised by name by that archive
+    reader. Tested: 2.13. Fallback: a pickle naming anything else is left to torch's
+    ``FileSystemReader``.
 ``torch.distributed._shard.sharded_tensor.ShardedTensor`` (:func:`is_sharded_tensor`)
-    Recognises a (deprecated) ``ShardedTensor`` value in a state dict; no public path
-    exports the class. Tested with 2.13. Fallback: nothing is one (a torch without the
-    class cannot make one).
+    Recognises the deprecated type in a state dict; no public path exports it. Tested: 2.13.
+    Fallback: nothing is one (a torch without the class cannot make one).
 ``torch._utils._sparse_tensors_to_validate``, ``torch._utils._validate_loaded_sparse_tensors``
 (:func:`pending_sparse_tensors`, :func:`validate_loaded_sparse_tensors`)
-    What ``torch.load`` does after unpickling, done after unpickling a staged request: torch's
-    sparse-tensor rebuild queues each sparse tensor on that process-wide list for validation.
-    Tested with 2.13. Fallback: a torch without the list queues nothing, so there is nothing
-    to clear or validate.
+    What ``torch.load`` does after unpickling, done after unpickling a staged request: sparse
+    rebuilds queue on that process-wide list. Tested: 2.13. Fallback: nothing is queued.
 ``torch._C._cuda_hasPrimaryContext`` (:func:`cuda_devices_with_context`)
-    Which CUDA devices this process already uses, without creating a context on the others.
-    Tested with 2.13 (CPU builds lack it: CI runs the fallback, and the private branch with
-    a stand-in for it). Fallback: the current device only; a copy from another device then
-    waits for that whole device (``async_ckpt/_copy.py``), slower but ordered.
+    Which CUDA devices already have a context, without creating one. Tested: 2.13 (CPU builds
+    lack it: CI runs the fallback, and the private branch with a stand-in). Fallback: the
+    current device only; a copy from another device then waits for that whole device.
 ``torch.serialization._get_layout``, ``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``
 (:func:`dcp_metadata_globals`)
-    Names a DCP ``.metadata`` pickle asks for besides the public metadata classes: torch
-    pickles a ``torch.layout`` as a call of ``_get_layout`` and a ``TensorProperties``'s
-    memory format as that enum (plus ``_StorageInfo`` above). The restricted unpickler
-    (:mod:`resilient_ckpt._restricted_pickle`) allows exactly these. Tested with 2.4.1 to
-    2.13 (checkpoints written by each, ``tests/unit/test_restricted_pickle.py``). Fallback:
-    a name this torch lacks is simply not allowed, so a file naming it is refused (named
-    error) instead of loaded.
+    Names a DCP ``.metadata`` pickle asks for besides the public classes (a ``torch.layout``,
+    a memory format); :mod:`resilient_ckpt._restricted_pickle` allows exactly these. Tested:
+    2.4.1 to 2.13 (files written by each, ``tests/unit/test_restricted_pickle.py``). Fallback:
+    a name this torch lacks is not allowed, so a file naming it is refused with a named error.
 ``torch.distributed._tensor`` (``DTensor``, ``Replicate``, ``Shard``, ``distribute_tensor``)
-    Where torch 2.4 keeps the DTensor classes; the public ``torch.distributed.tensor`` path
-    is used from 2.5 on (tested with 2.13, which takes the public path).
-
-Each private name is looked up once, by a ``functools.cache``d loader (the tests call its
-``__wrapped__`` to look again). Names here are imported on first use: this module is
-imported by the background worker, which must not pay for importing
-``torch.distributed.checkpoint`` or DTensor unless it uses them.
+    Torch 2.4's home of DTensor; the public ``torch.distributed.tensor`` is used from 2.5 on.
+    Tested: 2.13, which takes the public path.
 """
 
 from __future__ import annotations
@@ -196,12 +176,10 @@ def extra_safe_globals(allowed: list[Any]) -> Iterator[None]:
 
 
 def unsafe_globals_in(f: IO[bytes]) -> list[str] | None:
-    """The globals (``"module.name"``, sorted) that the ``torch.save`` archive ``f`` (read
-    from its current position, left anywhere) names and a ``weights_only`` load made here
-    would refuse, found without running anything:
-    ``torch.serialization.get_unsafe_globals_in_checkpoint`` (torch 2.5 and later). None
-    where that cannot tell: on torch 2.4, which lacks it, and for a file that is no zip
-    archive (torch's legacy format) or one too damaged to read."""
+    """The globals (``"module.name"``, sorted) in the ``torch.save`` archive ``f`` that a
+    ``weights_only`` load would refuse, found without running anything
+    (``get_unsafe_globals_in_checkpoint``, torch 2.5+). None where that cannot tell: torch 2.4,
+    a legacy (non-zip) file, a damaged one. ``f`` is read from its position, left anywhere."""
     find = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
     if find is None:
         return None
@@ -291,9 +269,7 @@ class _StorageInfo:
 def storage_info(
     relative_path: str, offset: int, length: int, transform_descriptors: Sequence[str] = ()
 ) -> Any:
-    """Where an item lies in a data file, as DCP metadata records it (releases before
-    stream transforms have no ``transform_descriptors``: none are passed where there are
-    none)."""
+    """Where an item lies in a data file, as DCP metadata records it."""
     if transform_descriptors:
         return _storage_info_class()(
             relative_path, offset, length, transform_descriptors=list(transform_descriptors)

@@ -1,48 +1,31 @@
 """Run code that imports ``nvidia_resiliency_ext.checkpointing`` on this package, unchanged.
 
-Megatron-LM, NeMo and other NVRx clients import NVRx by name and probe its modules; their
-users cannot edit those imports. :func:`install_nvrx_alias` (or ``RESILIENT_CKPT_NVRX_ALIAS=1``
-in the environment of the interpreter, see below) makes
+Megatron-LM, NeMo and other NVRx clients import NVRx by name; their users cannot edit those
+imports. :func:`install_nvrx_alias` (or ``RESILIENT_CKPT_NVRX_ALIAS=1``) makes
 ``import nvidia_resiliency_ext.checkpointing.<path>`` return the module
-``resilient_ckpt.<path>`` itself, for every module of this package (the contract of
-``DESIGN.md`` section 1 and the private helpers behind it). It is opt-in and explicit:
-nothing is aliased unless asked for.
+``resilient_ckpt.<path>`` itself, for every module of the package. Opt-in: nothing is aliased
+unless asked for.
 
-What this module decides, and why:
-
-* **The same module objects, not copies.** A meta-path finder placed first on
-  ``sys.meta_path`` answers for ``nvidia_resiliency_ext`` and ``nvidia_resiliency_ext.
-  checkpointing.*``; its loader hands the import system the already imported
-  ``resilient_ckpt`` module, so both names share classes, globals such as
-  ``filesystem_async._results_queue``, and ``isinstance`` checks. Loading the files a second
-  time under the other name (what a ``sys.path`` trick would do) would split that state. The
-  finder is lazy: a submodule is imported when first asked for by either name. The import
-  system overwrites ``__spec__`` of a module a loader returns; the loader puts the module's
-  own spec back so that ``importlib.reload`` and pickling by module name keep working.
-* **Only the checkpointing part.** ``nvidia_resiliency_ext`` itself is a small synthetic
-  package; other NVRx subpackages (``fault_tolerance``, ``inprocess`` ...) are not provided,
-  so probes for them fail with ``ModuleNotFoundError`` as they do without NVRx.
-* **A package located at ours.** Tools that report where a module came from read
-  ``__file__`` (``module.__file__``, ``inspect.getfile``), so the synthetic package
-  has the attributes a package on disk has: ``__file__`` is our ``__init__.py``,
-  ``__path__`` our directory, ``__spec__`` has that origin. A ``__path__`` naming our
-  directory would let the path finder load our modules a second time as
-  ``nvidia_resiliency_ext.<name>``; the finder refuses those names instead (none of them is
-  an NVRx subpackage).
-* **A version clients accept.** Megatron-core requires ``nvidia_resiliency_ext.__version__
-  >= 0.6.0``; the alias reports :data:`NVRX_API_VERSION`, the upstream release whose API this
-  package implements, and marks itself with ``__resilient_ckpt_version__``.
-* **Refuse next to the real NVRx.** Two packages answering one name would make it a matter
-  of path order which one a job uses. If any other importer can provide
-  ``nvidia_resiliency_ext``, or it is already imported, :func:`install_nvrx_alias` raises
-  :class:`NvrxAliasError` (uninstall ``nvidia-resiliency-ext`` or do not ask for the alias).
+* **The same module objects, not copies.** A meta-path finder placed first hands the import
+  system the already imported ``resilient_ckpt`` module, lazily, so both names share classes,
+  globals (``filesystem_async._results_queue``) and ``isinstance``; loading the files again
+  under the other name (a ``sys.path`` trick) would split that state. The import system
+  overwrites the returned module's ``__spec__``; the loader puts its own back so
+  ``importlib.reload`` and pickling by module name keep working.
+* **Only the checkpointing part.** ``nvidia_resiliency_ext`` is a small synthetic package;
+  probes for other NVRx subpackages (``fault_tolerance`` ...) fail as they do without NVRx.
+  It is located at ours (``__file__``, ``__path__``, spec origin) for tools that report where
+  a module came from; since that ``__path__`` would let the path finder load our modules again
+  as ``nvidia_resiliency_ext.<name>``, the finder refuses those names.
+* **A version clients accept.** Megatron-core requires ``__version__ >= 0.6.0``: the alias
+  reports :data:`NVRX_API_VERSION` and marks itself with ``__resilient_ckpt_version__``.
+* **Refuse next to the real NVRx**, imported or importable (:class:`NvrxAliasError`): with two
+  packages answering one name, path order would pick the one a job uses.
 * **Children inherit it.** ``torchrun`` workers and ``spawn``-ed processes are fresh
-  interpreters. The distribution ships ``resilient_ckpt_nvrx_alias.pth``, which Python runs at
-  start-up from ``site-packages``: when ``RESILIENT_CKPT_NVRX_ALIAS`` is non-empty it imports
-  this module and calls :func:`install_nvrx_alias_from_environment` (a wrong value or a real
-  NVRx is reported on stderr, one line, and no alias is installed: start-up must not fail for
-  every Python program of the environment). :func:`install_nvrx_alias` sets the variable by
-  default so that processes started later alias as well.
+  interpreters: the distribution ships ``resilient_ckpt_nvrx_alias.pth``, which runs
+  :func:`install_nvrx_alias_from_environment` at start-up when the variable is set, and
+  :func:`install_nvrx_alias` sets it by default. The hook never fails start-up: a problem is
+  one line on stderr and no alias.
 """
 
 from __future__ import annotations
@@ -138,9 +121,7 @@ class _NvrxAliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _top_spec(loader: _NvrxAliasFinder) -> importlib.machinery.ModuleSpec:
-    """The synthetic package's spec, located at our package: the import system derives
-    ``__file__`` (our ``__init__.py``) and ``__path__`` (our directory) from it, which tools
-    that report where a module came from read (``inspect.getfile``)."""
+    """The synthetic package's spec, located at our package (``__file__``, ``__path__``)."""
     ours = sys.modules[OUR_TOP]
     spec = importlib.machinery.ModuleSpec(NVRX_TOP, loader, origin=ours.__file__, is_package=True)
     spec.submodule_search_locations = list(ours.__path__)
@@ -149,10 +130,8 @@ def _top_spec(loader: _NvrxAliasFinder) -> importlib.machinery.ModuleSpec:
 
 
 def _refuse_our_modules_under_the_top(fullname: str) -> None:
-    """``nvidia_resiliency_ext.<name>`` other than ``checkpointing``: not provided. The
-    top's ``__path__`` is our directory, so the path finder would otherwise load a second
-    copy of our module ``<name>`` under that name; other names stay ordinary misses (a
-    probe with ``importlib.util.find_spec`` gets None, as without NVRx)."""
+    """Refuse ``nvidia_resiliency_ext.<name>`` where ``<name>`` is one of our modules (the
+    top's ``__path__`` would load a second copy); other names stay ordinary misses."""
     parent, _, child = fullname.rpartition(".")
     if parent != NVRX_TOP or importlib.util.find_spec(f"{OUR_TOP}.{child}") is None:
         return

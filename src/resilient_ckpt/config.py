@@ -32,24 +32,22 @@ RESILIENT_CKPT_MSC_SPOOL_BYTES         upload buffer kept in memory, then a file
 RESILIENT_CKPT_MSC_SPOOL_DIR           where larger buffers spill (default: TMPDIR)  -
 =====================================  ==========================================  =======
 
-:func:`local_load_mmap` reads ``RESILIENT_CKPT_LOCAL_LOAD_MMAP`` (default 1): local checkpoint
-copies are loaded by mapping their files; 0 reads them into memory instead (see
-:mod:`resilient_ckpt.local._reader` for when that matters).
+Other switches:
 
-:func:`read_once_enabled` reads ``RESILIENT_CKPT_READ_ONCE`` (default 1): a DCP load through
-the library's readers reads each stored byte range that several ranks need once, on one of
-them, and carries it to the others over the process group; 0 makes every rank read all it
-needs itself, as torch's reader does (see :mod:`resilient_ckpt.async_ckpt._read_once`). A
-reader's ``read_once=`` keyword overrides it.
+===============================  =======  ================================================
+variable                         default  meaning
+===============================  =======  ================================================
+RESILIENT_CKPT_LOCAL_LOAD_MMAP   1        map local copies' files to load them (0: read)
+RESILIENT_CKPT_READ_ONCE         1        a DCP load reads a byte range ranks share once
+RESILIENT_CKPT_NVRX_ALIAS        unset    alias ``nvidia_resiliency_ext`` in every process
+LOCAL_WORLD_SIZE                 -        ranks per node (``torchrun``): default replication jump
+===============================  =======  ================================================
 
-:func:`local_world_size` reads the launcher's ``LOCAL_WORLD_SIZE`` (ranks per node, set by
-``torchrun``), which sizes the default replication jump of local checkpoints.
-
-``RESILIENT_CKPT_NVRX_ALIAS=1`` makes ``import nvidia_resiliency_ext.checkpointing...`` resolve
-to this package in every interpreter that starts with it set (see :mod:`resilient_ckpt.compat`).
-The ``resilient_ckpt_nvrx_alias.pth`` start-up hook only tests whether the variable is
-non-empty, so that interpreters without it never import the package; the value is parsed
-here, by :func:`nvrx_alias_requested`.
+See :mod:`resilient_ckpt.local._reader` (mmap), :mod:`resilient_ckpt.async_ckpt._read_once`
+(a reader's ``read_once=`` overrides the variable) and :mod:`resilient_ckpt.compat`.
+The ``resilient_ckpt_nvrx_alias.pth`` start-up hook only tests that ``..._NVRX_ALIAS`` is
+non-empty, so interpreters without it never import the package; :func:`nvrx_alias_requested`
+parses the value.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """One exception hierarchy for the whole library.
 
-Every error the library raises derives from :class:`CheckpointingException` (the name NVRx
-uses for its base class, kept so ``except CheckpointingException`` in NVRx code keeps
-working). Where NVRx raised a builtin (``RuntimeError`` for a frozen request, ``ValueError``
-for bad arguments), our class also derives from that builtin, so both spellings catch it.
+Every error derives from :class:`CheckpointingException` (NVRx's base class name, so
+``except CheckpointingException`` in NVRx code keeps working); where NVRx raised a builtin
+(``RuntimeError`` for a frozen request, ``ValueError`` for bad arguments) ours derives from it
+too. Errors carry structure (rank, call index, path) as attributes, say what to do, and chain
+their cause.
 
-Errors carry structure (rank, call index, path) as attributes and say what to do in their
-message; causes are chained with ``raise ... from``.
-
-A step that failed on some ranks raises :class:`RankFailureError` (or a subclass keeping
-the class callers catch, e.g. ``RankConfigurationError``) on every rank: it derives from
-``CheckpointingException`` *and* torch's ``CheckpointException``. Those classes live in
-:mod:`._rank_errors` and are handed out here on first use, because importing torch's class
-costs about a second that this module (imported by every background worker) must not.
+A step that failed on some ranks raises :class:`RankFailureError` (or a subclass keeping the
+class callers catch) on every rank; those classes also derive from torch's
+``CheckpointException`` and live in :mod:`._rank_errors`, loaded here on first use, because
+that import pulls in ``torch.distributed.checkpoint``, which background workers must not pay.
 """
 
 from __future__ import annotations
@@ -206,10 +203,10 @@ class CorruptCheckpointError(CheckpointingException):
 class UnsafeCheckpointError(CheckpointingException, pickle.UnpicklingError):
     """A checkpoint file asked for a global that its kind of file never holds.
 
-    Raised by the restricted unpickler (:mod:`resilient_ckpt._restricted_pickle`) instead of
-    importing or calling it: such a file is damaged, not a checkpoint of that kind, or built
-    to run code. ``path`` is the file and ``name`` the global (``"module.qualname"``). It is
-    also an ``UnpicklingError``, what ``torch.load(weights_only=True)`` raises for the same.
+    Raised by :mod:`resilient_ckpt._restricted_pickle` instead of importing it: the file is
+    damaged, of another kind, or built to run code. ``path`` is the file, ``name`` the global
+    (``"module.qualname"``). Also an ``UnpicklingError``, as ``torch.load(weights_only=True)``
+    raises for the same.
     """
 
     def __init__(self, message: str, *, path: str | None = None, name: str = "") -> None:
@@ -221,9 +218,8 @@ class UnsafeCheckpointError(CheckpointingException, pickle.UnpicklingError):
 class SameMachineReplicationException(CheckpointingException):
     """A local checkpoint write would overwrite an existing copy of the same checkpoint.
 
-    NVRx name and signature. Raised when one rank is asked to store two copies of one
-    checkpoint id (a replication strategy whose cliques overlap), or when the file already
-    exists in committed form.
+    NVRx name and signature. Raised when one rank would store two copies of one checkpoint
+    id (overlapping replication cliques), or the file already exists committed.
     """
 
     def __init__(self, ckpt_id: object) -> None:
@@ -243,9 +239,7 @@ class CheckpointWriteError(CheckpointingException):
     """One rank's background write of a distributed checkpoint failed (or left no result).
 
     Raised in the trainer by ``retrieve_write_results``; ``save_state_dict_async_finalize``
-    gathers it and raises :class:`RankFailureError` (also torch's ``CheckpointException``)
-    on every rank.
-    Picklable with its attributes, because it travels between ranks.
+    agrees it into :class:`RankFailureError` on every rank. Picklable with its attributes.
     """
 
     def __init__(self, message: str, *, rank: int | None = None, path: str | None = None) -> None:
@@ -266,11 +260,9 @@ def _rebuild_write_error(
 class CheckpointReadError(StorageError):
     """A rank could not read (or verify) a checkpoint data file that a load needed from it.
 
-    Raised by a read-once load (:mod:`resilient_ckpt.async_ckpt._read_once`) on the rank
-    that failed, then agreed across ranks: every rank raises
-    :class:`RankCheckpointReadError` naming the failed ranks, and each failed rank's
-    message names its file. ``rank`` is the failing rank, ``path`` the file (relative to
-    the checkpoint).
+    Raised by a read-once load (:mod:`resilient_ckpt.async_ckpt._read_once`) on the failing
+    rank, then agreed: every rank raises :class:`RankCheckpointReadError` naming the failed
+    ranks. ``rank`` is the failing rank, ``path`` the file (relative to the checkpoint).
     """
 
     def __init__(self, message: str, *, rank: int | None = None, path: str | None = None) -> None:

@@ -1,7 +1,7 @@
 """Asynchronous checkpointing: the queue, its callers, async ``torch.save`` and async DCP.
 
-The DCP names are imported on first use: ``torch.distributed.checkpoint`` and DTensor take
-over a second to import, and every background worker imports this package at start-up.
+The DCP names are imported on first use: ``torch.distributed.checkpoint`` and DTensor are
+slow to import, and every background worker imports this package at start-up.
 """
 
 from __future__ import annotations

@@ -8,23 +8,21 @@ Call protocol of an :class:`AsyncCaller` (every method runs in the trainer proce
    request's content is fixed (snapshot taken) and the write is under way.
 2. ``local_status(call_idx)`` (non-blocking) or ``wait_local(call_idx, timeout)``: this
    rank's view of one call: running, done, or failed with an exception.
-3. Cross-rank agreement (:func:`agree_on_call`) turns the local views into one decision on
-   every rank; the queue then runs the finalize functions, or raises on every rank.
+3. :func:`agree_on_call` turns the local views into one decision on every rank; the queue
+   then runs the finalize functions, or raises on every rank.
 4. ``close(abort)`` ends the background process(es); ``abort`` drops pending calls.
 
-The decision in step 3 is one record per rank and one decision everywhere: each poll is one
-:func:`resilient_ckpt._dist.agree` over the library's gloo group, carrying a three-integer
-record per rank ``(state, call_idx, deadline_passed)`` and this rank's error if its request
-failed. Because every rank sees every rank's record, every rank takes the same decision
-(finalize, keep waiting, raise) and the collectives stay in step; a failure on any rank is
-raised on every rank by the agreement itself.
+Each poll in step 3 is one :func:`resilient_ckpt._dist.agree` on the library's gloo group,
+carrying ``(state, call_idx, deadline_passed)`` per rank and this rank's error if it failed.
+Since every rank sees every record, all take the same decision (finalize, wait, raise) and
+the collectives stay in step.
 
-:class:`TemporalAsyncCaller` (deprecated in NVRx, kept for compatibility) forks one child
-per request. The fork itself is the snapshot of CPU memory (copy-on-write); CUDA tensors
-must be moved to the host by ``preload_fn`` first, which runs in the trainer before the
-fork. The child's exit code is checked and its exception, if any, is sent back as a value,
-over the pipe that also carries its reports (:mod:`._reports`); the trainer reads that pipe
-while the child runs, so a report larger than the pipe's buffer never blocks the child.
+:class:`TemporalAsyncCaller` (deprecated in NVRx, kept for compatibility) forks one child per
+request: the fork is the snapshot of CPU memory (copy-on-write), so CUDA tensors must be
+moved to the host by ``preload_fn``, which runs in the trainer before the fork. The child's
+exception comes back as a value over the pipe that also carries its reports
+(:mod:`._reports`); the trainer reads that pipe while the child runs, so a report larger
+than the pipe's buffer never blocks the child.
 """
 
 from __future__ import annotations
@@ -195,8 +193,9 @@ def exchange(
     local_only: bool = False,
     details: dict[str, Any] | None = None,
 ) -> list[RankRecord]:
-    """Every rank's record, in rank order (just this rank's with ``local_only`` or when not
-    distributed). Raises the agreed error on every rank when ``error`` is set on any."""
+    """Every rank's record, in rank order (only this rank's with ``local_only`` or when not
+    distributed). Raises the agreed error on every rank when any rank set ``error``.
+    """
     outcomes = _dist.agree(
         f"async request {call_idx}",
         error,
@@ -299,8 +298,9 @@ class AsyncCaller(ABC):
         return done
 
     def _debug_is_async_process_running(self) -> bool:
-        """Whether this caller's background process is alive (NVRx name, used by tests and
-        tools to check that an abort really stopped the worker)."""
+        """Whether the background process is alive (NVRx name; tests check that an abort stopped
+        it).
+        """
         process = getattr(self, "process", None)
         return process is not None and process.is_alive()
 

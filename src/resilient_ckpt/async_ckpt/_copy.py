@@ -1,67 +1,44 @@
 """The copies of a snapshot: where each storage goes in the arena, and how its bytes get there.
 
-Staging (:mod:`._staging`) decides *what* a snapshot copies: one slot per storage a request
-references. This module decides where each slot lies in the arena (:mod:`._arena`) and the
-copies that fill it, the only trainer-side data copy of a save. Everything here is a function
-of the tensors' layouts, so the staging cache (:mod:`._stage_cache`) keeps the plans for the
-next save of the same layout.
+:mod:`._staging` decides *what* is copied (one slot per storage); this module decides where
+each slot lies in the arena and the copies that fill it, the only trainer-side data copy of
+a save. Everything here is a function of the tensors' layouts, so :mod:`._stage_cache` keeps
+the plans for the next save of the same layout.
 
-Placement: **host storages that lie close together in memory keep their relative places in
-the arena and are copied as one range, the gaps between them included.** A state of thousands
-of small tensors allocated one after another (a model's parameters at start-up, an
-optimizer's moments at its first step) sits in memory as storages separated only by the
-allocator's headers and alignment. Placed back to back in the arena, each storage would be a
-copy call of its own, streaming through memory in the order the state was met; mirrored, a
-run of neighbours is one ``memmove`` in address order.
+**Placement: host storages close together in memory keep their relative places in the arena
+and are copied as one range, gaps included.** Thousands of small tensors allocated one after
+another sit in memory separated only by allocator headers; placed back to back, each would
+be a copy call of its own, while mirrored, a run of neighbours is one ``memmove`` in address
+order.
 
-* Host storages are sorted by address and grouped into *runs*: a storage joins the run before
-  it if it starts at most ``BRIDGE_MAX_BYTES`` after the run's end (or overlaps it: two
-  storage objects over the same memory share those bytes) and the gap is at most a sixteenth
-  of the two neighbours' bytes, so the arena grows by at most an eighth of the state however
-  small its tensors are.
+* A storage joins the run before it if it starts at most ``BRIDGE_MAX_BYTES`` after the
+  run's end (or overlaps it) and the gap is at most a sixteenth of the two neighbours' bytes,
+  so the arena grows by at most an eighth of the state.
 * **Reading a gap is safe**: it is shorter than the smallest page (4 KiB), so each of its
-  bytes lies on the page of the last byte of the storage before it or on the page of the
-  first byte of the storage after it, both mapped while their storages are alive (the copy
-  keeps them alive). The gap's bytes are copied but never read back: each rebuilt tensor
-  sees only its own slot.
-* A run starts at an arena offset with the alignment of its first source address modulo 64,
-  so every storage keeps its source alignment (torch's allocator aligns to 64 bytes too).
-* Device storages and empty ones follow, each at a 64-byte boundary, in the order met.
+  bytes lies on a page of the storage before or after it, both mapped while the copy keeps
+  them alive. Gap bytes are never read back: each rebuilt tensor sees only its own slot.
+* A run starts at an arena offset congruent to its source address modulo 64, so every
+  storage keeps its alignment. Device and empty storages follow, 64-byte aligned.
 
-Host copies:
+**Host copies** are ``ctypes.memmove`` per range, not ``Tensor.copy_``: cheaper per call, and
+a foreign call releases the GIL, so copy threads (and, overlapped, the training step) run in
+parallel. Above ``PARALLEL_MIN_BYTES`` the ranges are split into equal shares over a
+persistent pool, the calling thread taking one; one thread rarely saturates memory
+bandwidth. The default is ``min(4, cores / local ranks)`` threads
+(``RESILIENT_CKPT_COPY_THREADS`` overrides), so ranks sharing a node do not oversubscribe it.
 
-* **memmove, not ``copy_``.** Every run is one contiguous byte range, so its copy is a
-  ``ctypes.memmove``: cheaper per call than ``Tensor.copy_`` and, being a foreign call, it
-  releases the GIL, so copy threads run truly in parallel, and in overlapped staging in
-  parallel with the training step. Ranges still back to back both in memory and in the arena
-  are merged (:func:`coalesce`).
-* **Large states split over threads.** Above ``PARALLEL_MIN_BYTES`` the ranges are cut into
-  ``threads`` shares of equal bytes (a large range is split inside), one per thread of a
-  persistent pool; the calling thread copies one share itself. A single thread rarely
-  saturates memory bandwidth; several do. The default thread count is
-  ``min(4, cores of this process / local ranks)`` (``RESILIENT_CKPT_COPY_THREADS`` overrides
-  it), so ranks sharing a node do not oversubscribe it.
+**Device copies** (``copy_`` into the pinned arena, waited for before the snapshot counts as
+taken): a tensor that *is* its storage's bytes in order (the common parameter or optimizer
+state) is copied into a view of its slot typed like it; any other storage goes as raw bytes
+through a ``uint8`` tensor. The typed views are kept by the arena for the cached plan
+(:meth:`._arena.Arena.kept_views`). In overlapped staging the save call records an event on
+each device's current stream (:class:`DeviceOrder`) and the staging thread copies on side
+streams that wait for it: the copies see the values the call saw, the trainer's stream never
+waits for them, and the snapshot never waits for the step queued meanwhile, as a
+device-wide synchronize would.
 
-Device copies (CUDA storages, ``copy_`` into the pinned arena, waited for before the snapshot
-counts as taken):
-
-* Where one of the request's tensors *is* its storage's bytes in order (contiguous, at
-  storage offset 0, covering the whole storage, no lazy conjugate or negative bit: the common
-  case of a parameter or an optimizer state), the copy is that tensor itself into a view of
-  its slot typed and shaped like it. Any other storage (a view into a larger buffer, a
-  transposed tensor) is copied as its raw bytes through a ``uint8`` tensor over the storage.
-* The typed slot views are kept by the arena they view (:meth:`._arena.Arena.kept_views`)
-  for the cached plan: built per save, they would cost more than the copies' own launches.
-* Overlapped staging (the whole staging on a background thread): the save call records an
-  event on the current stream of each CUDA device in use (:class:`DeviceOrder`); the staging
-  thread issues the copies on a side stream per device that first waits for that event, and
-  then waits for the side streams alone. The copies so read the values the call saw (kernels
-  queued before it included), the trainer's stream never waits for them, and the snapshot
-  never waits for the training step queued meanwhile (a device-wide synchronize would).
-
-Alternatives rejected: coalescing only exactly adjacent storages never merges two allocations
-of the CPU allocator, whose chunks carry headers; copying the gap-free bytes with a gather in
-native code would need a compiled extension.
+Rejected: coalescing only exactly adjacent storages never merges two CPU allocations (their
+chunks carry headers); a native gather of the gap-free bytes needs a compiled extension.
 """
 
 from __future__ import annotations
@@ -101,8 +78,9 @@ def align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """``offsets[i]``: storage i's place in an arena of ``total`` bytes. ``runs``: the host
-    copy as ``(arena offset, source address, bytes)`` ranges, in address order."""
+    """``offsets[i]``: storage i's place in an arena of ``total`` bytes; ``runs``: the host copy as
+    ``(arena offset, source address, bytes)`` ranges, in address order.
+    """
 
     total: int
     offsets: tuple[int, ...]
@@ -197,8 +175,9 @@ def coalesce(segments: Sequence[Segment]) -> list[Segment]:
 def split_shares(
     segments: Sequence[Segment], shares: int, min_bytes: int | None = None
 ) -> list[list[Segment]]:
-    """Cut ``segments`` into at most ``shares`` lists of (nearly) equal bytes, in order;
-    one list if they total less than ``min_bytes`` (default ``PARALLEL_MIN_BYTES``)."""
+    """Cut ``segments`` into at most ``shares`` lists of nearly equal bytes, in order; one list
+    below ``min_bytes`` (default ``PARALLEL_MIN_BYTES``).
+    """
     total = sum(n for _, _, n in segments)
     least = PARALLEL_MIN_BYTES if min_bytes is None else min_bytes
     if shares <= 1 or total < max(least, 1):
@@ -274,13 +253,10 @@ def copy_all(
     shares: list[list[Segment]] | None = None,
     base: int = 0,
 ) -> None:
-    """Copy ``host`` ranges, then complete the device copies already issued
-    (``device_wait``, from :func:`start_copies`, so they ran meanwhile);
-    every byte is in the arena when this returns, or when it raises.
-
-    The calling thread takes one share of the host ranges, the pool the others. ``shares``
-    (from :func:`plan_shares`, destinations relative to ``base``) replaces ``host`` when the
-    plan is already known.
+    """Copy ``host`` ranges (the caller's thread takes one share, the pool the others), then
+    complete the device copies already issued (``device_wait``, from :func:`start_copies`).
+    Every byte is in the arena when this returns or raises. ``shares`` (from :func:`plan_shares`,
+    relative to ``base``) replaces ``host`` when the plan is known.
     """
     if shares is None:
         shares = plan_shares(host, threads)
@@ -310,8 +286,9 @@ StorageKey = tuple[str, int, int]
 
 
 class DeviceSlot(NamedTuple):
-    """A device storage's slot (``offset``, ``nbytes``) and the request's tensor (its index,
-    ``source``) read to fill it; ``whole``: that tensor is the storage's bytes in order."""
+    """A device storage's slot and the request's tensor read to fill it (index ``source``);
+    ``whole``: that tensor is the storage's bytes in order.
+    """
 
     offset: int
     nbytes: int
@@ -325,9 +302,9 @@ def is_host(storage: torch.UntypedStorage) -> bool:
 
 
 class DevicePlan(NamedTuple):
-    """A request's device copies: one entry per non-empty device slot, in slot order, and
-    the CUDA devices they read (each synchronized before the snapshot counts as taken). Its
-    identity keys the destinations an arena keeps for it."""
+    """A request's device copies, one per non-empty device slot, and the CUDA devices they read.
+    Its identity keys the destination views an arena keeps.
+    """
 
     slots: tuple[DeviceSlot, ...] = ()
     cuda: tuple[int, ...] = ()
@@ -357,9 +334,9 @@ def plan_device_copies(
     slots: Sequence[Slot],
     host: Sequence[bool],
 ) -> DevicePlan:
-    """The plan for ``tensors``, whose storages have the slots ``slot_of`` names (``host``:
-    per slot, whether it is copied as host memory instead); a tensor that is its storage's
-    whole bytes is preferred over a view into it."""
+    """The device copy plan for ``tensors``; per slot, a tensor that is its storage's whole bytes is
+    preferred over a view into it.
+    """
     chosen: dict[int, DeviceSlot] = {}
     for index, tensor in enumerate(tensors):
         key = storage_key(tensor.untyped_storage())
@@ -383,9 +360,9 @@ def _destination(arena: Arena, entry: DeviceSlot, tensor: torch.Tensor) -> torch
 def destinations(
     plan: DevicePlan, arena: Arena, tensors: Sequence[torch.Tensor], *, keep: bool = False
 ) -> list[torch.Tensor]:
-    """The views of ``arena`` that ``plan``'s entries fill. ``keep``: the plan is the
-    staging cache's, reused save after save: they are built once per arena and kept by it
-    (the warm-up builds them, so that the first save does not)."""
+    """The views of ``arena`` that ``plan`` fills; with ``keep`` (the staging cache's plan) built
+    once per arena and kept by it.
+    """
     views = arena.kept_views(plan) if keep else None
     if views is None:
         views = [_destination(arena, entry, tensors[entry.source]) for entry in plan.slots]
@@ -401,8 +378,7 @@ def device_pairs(
     *,
     keep: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(destination, source)`` for each entry of ``plan``, into ``arena`` (``keep``: see
-    :func:`destinations`)."""
+    """``(destination, source)`` for each entry of ``plan``."""
     if not plan.slots:
         return []
     views = destinations(plan, arena, tensors, keep=keep)
@@ -431,21 +407,21 @@ def _side_stream(device: int) -> torch.cuda.Stream:
 
 
 def make_side_streams(devices: Sequence[int]) -> None:
-    """Create the side streams of ``devices`` now, where the caller waits for them anyway.
+    """Create the side streams of ``devices`` where the caller waits for them anyway.
 
-    The first stream made on a device waits for all the work queued there: made by a
-    staging thread, it would wait for the training step queued after the call. So they are
-    made by the warm-up and by every save that synchronizes the devices it read, not by an
-    overlapped save.
+    Pitfall: the first stream made on a device waits for all work queued there, so made by the
+    staging thread it would wait for the training step. The warm-up and synchronizing saves make
+    them, never an overlapped save.
     """
     for device in devices:
         _side_stream(device)
 
 
 class DeviceOrder:
-    """Made in the save call, on the trainer's thread (CUDA initialised): an event on the
-    current stream of every device in use, and the current device. :meth:`adopt` and
-    :meth:`copy` run on the staging thread."""
+    """Made in the save call on the trainer's thread: an event on the current stream of every
+    device in use, and the current device. :meth:`adopt` and :meth:`copy` run on the staging
+    thread.
+    """
 
     def __init__(self) -> None:
         self.device = torch.cuda.current_device()
@@ -456,13 +432,15 @@ class DeviceOrder:
             self._events[device] = event
 
     def adopt(self) -> None:
-        """Make the trainer's current device this thread's (the current device is per
-        thread: pinning an arena here must not open a context on device 0)."""
+        """Take the trainer's current device (per thread: pinning an arena here must not open a
+        context on device 0).
+        """
         torch.cuda.set_device(self.device)
 
     def copy(self, pairs: Sequence[CopyPair], non_blocking: bool) -> list[torch.cuda.Stream]:
-        """Issue ``pairs`` after the recorded events; the side streams to synchronize
-        (waited for already if issuing fails, see :func:`start_copies`)."""
+        """Issue ``pairs`` after the recorded events; the side streams to synchronize (already
+        waited for if issuing fails).
+        """
         by_device: dict[int, list[CopyPair]] = {}
         for pair in pairs:
             by_device.setdefault(pair[1].get_device() if pair[1].is_cuda else -1, []).append(pair)
@@ -489,8 +467,7 @@ class DeviceOrder:
 
 
 def _issue(pairs: Sequence[CopyPair], non_blocking: bool, cuda: Sequence[int]) -> None:
-    """``copy_`` each pair on the current streams (the devices ``cuda`` synchronized
-    already if one fails, see :func:`start_copies`)."""
+    """``copy_`` each pair; on failure the devices ``cuda`` are synchronized first."""
     try:
         with torch.no_grad():
             for dst, src in pairs:
@@ -524,13 +501,11 @@ def start_copies(
     keep: bool = False,
     order: DeviceOrder | None = None,
 ) -> Callable[[], None]:
-    """Issue ``plan``'s copies into ``arena`` and return the wait that completes them:
-    on the calling thread's current streams (the wait synchronizes each device read), or,
-    with ``order`` (a background staging), on side streams after the save call's events
-    (the wait synchronizes those streams alone). ``keep``: see :func:`destinations`.
+    """Issue ``plan``'s copies into ``arena``; return the wait that completes them (device-wide on
+    the current streams, or, with ``order``, the side streams alone).
 
-    A copy that fails to issue raises :class:`StagingError` once what was issued before it
-    has completed: the caller then gives the arena back, and nothing may still write in it.
+    A copy that fails to issue raises :class:`StagingError` once the copies issued before it
+    completed: the caller then gives the arena back, and nothing may still write in it.
     """
     if not plan.slots:
         return _nothing

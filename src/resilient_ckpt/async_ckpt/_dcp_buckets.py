@@ -1,35 +1,24 @@
 """Trainer side of the async DCP write: a plan's items resolved to tensors and grouped into
-per-file write buckets.
-
-A bucket is ``(path, name, (bytes_data, tensor_data))``: one data file, its byte items with
-their buffers and its tensor items with their tensors (see :mod:`._dcp_write`).
-
-Decisions:
+per-file write buckets ``(path, name, (bytes_data, tensor_data))`` (see :mod:`._dcp_write`).
 
 * **What does not depend on the bytes is computed once per plan.** With the plan cache on
-  (:mod:`.state_dict_saver`), a save whose structure is unchanged reuses the very same plan
-  object, already validated by the cache's structure signature and its collective.
-  Everything derived from the plan alone is then reused too, keyed by that plan's identity
-  (a reference is kept, so the identity cannot be recycled) and the writer's file options:
-  the split of the items into files (:func:`plan_files`), and each file's tensor items
-  *pickled once*, as one blob, so the request the staging layer pickles every save holds
-  one ``bytes`` per file instead of thousands of write-item objects. A changed structure
-  gives a new plan (the cache misses and re-plans), hence new buckets.
-* **The writer owns what it writes.** Read as a list, every item resolves to a *new* tensor
-  object (a detached view of the state's memory), so the buckets' tensors die with the
-  write (NVRx's "writer hands its payload over" tests hold weak references to them), and a
-  CPU view into a larger storage is cloned (else staging would copy the whole base storage,
-  and torch's writer would clone it anyway). Staging needs no new objects: it reads the
-  *sources* (the state's own tensors, or those clones) and describes them as detached (a
-  ``SourcedBatch``), so the detached objects are made only if a bucket is read as a list.
+  (:mod:`.state_dict_saver`), an unchanged structure reuses the very same, already validated
+  plan object. What derives from the plan alone is cached by its identity (a reference is
+  kept, so the id cannot be recycled) and the file options: the split into files
+  (:func:`plan_files`) and each file's tensor items *pickled once*, so the request staged
+  every save holds one ``bytes`` per file, not thousands of write items.
+* **The writer owns what it writes.** Read as a list, each item resolves to a *new* detached
+  tensor, so the buckets' tensors die with the write (NVRx's tests hold weak references to
+  them); a CPU view into a larger storage is cloned (staging would otherwise copy the whole
+  base). Staging reads the *sources* and describes them as detached (``SourcedBatch``), so
+  the detached objects are made only if a bucket is read as a list.
 * **Resolving is a lookup, done at staging.** For a :class:`DefaultSavePlanner` an item is a
   lookup in the planner's flat state (its generic ``resolve_data`` builds index objects per
-  item; DTensors' ``to_local`` goes through autograd). When every item of a file is a plain
-  tensor, or every one a Shard/Replicate DTensor over one, the lookups and checks are
-  C-level ``map`` passes over all items (:func:`_uniform_tensors`, :func:`_plain_cpu`); any
-  other mix is resolved item by item. The lookups run when the request is staged
-  (:class:`ItemTensors`): in overlapped staging, off the trainer's thread. Other planners'
-  own ``resolve_data`` runs in the save call.
+  item; DTensor's ``to_local`` goes through autograd). A file of only plain tensors, or only
+  Shard/Replicate DTensors over them, is resolved by C-level ``map`` passes; any other mix
+  item by item. The lookups run when the request is staged (:class:`ItemTensors`), off the
+  trainer's thread when staging is overlapped. Other planners' ``resolve_data`` runs in the
+  save call.
 """
 
 from __future__ import annotations
@@ -93,9 +82,7 @@ def plan_files(
     separation_hint: str | None,
 ) -> list[tuple[str, list[WriteItem]]]:
     """``(file name, items)`` for each data file of one rank, numbered as torch numbers them.
-
-    With ``separation_hint`` the items whose key starts with it go to their own files, named
-    with the hint as a prefix, each group split into ``thread_count // 2`` files.
+    Items whose key starts with ``separation_hint`` go to their own files, prefixed by the hint.
     """
     if separation_hint is None:
         groups = [("", list(items))]
@@ -129,8 +116,9 @@ _NBYTES = operator.attrgetter("nbytes")
 
 
 def snapshot_source(tensor: Any, fqn: str) -> torch.Tensor:
-    """What a snapshot of ``tensor`` copies from: ``tensor`` itself, or a clone of a CPU
-    view whose storage is larger than its bytes (see the module docstring)."""
+    """What a snapshot of ``tensor`` copies from: ``tensor``, or a clone of a CPU view whose
+    storage is larger than its bytes.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise ConfigurationError(
             f"the planner resolved tensor item {fqn!r} to a {type(tensor).__name__}"
@@ -154,15 +142,14 @@ def direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
 
 
 def resolve_blob(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | None) -> list:
-    """A new detached tensor per item of ``blob`` (its snapshot view, see the module
-    docstring)."""
+    """A new detached tensor per item of ``blob``."""
     return list(map(torch.Tensor.detach, resolve_sources(blob, planner, flat)))
 
 
 def resolve_sources(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | None) -> list:
-    """``snapshot_source`` of each of ``blob``'s items as ``planner`` resolves it; ``flat``
-    (from :func:`direct_lookup`) lets plain tensors and non-partial DTensors be looked up
-    directly."""
+    """``snapshot_source`` of each of ``blob``'s items; ``flat`` (:func:`direct_lookup`) lets plain
+    tensors and non-partial DTensors be looked up directly.
+    """
     if flat is None:
         return [snapshot_source(planner.resolve_data(i), i.index.fqn) for i in blob.items]
     tensors = _uniform_tensors(blob, flat)
@@ -183,23 +170,20 @@ def resolve_sources(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] 
 
 
 def quick_sources(blob: ItemsBlob, flat: dict[str, Any]) -> list | None:
-    """:func:`resolve_sources` without the per-tensor checks, for the staging cache's
-    optimistic pickle (see ``SourcedBatch``): None unless every item is looked up directly
-    by the C-level passes.
+    """:func:`resolve_sources` without per-tensor checks, for the staging cache's optimistic pickle
+    (``SourcedBatch``); None unless every item is looked up directly.
 
-    Unchecked here, implied by layouts equal to a full staging's: every tensor is on
-    the CPU (the layout holds the device) and none is a view into a larger storage (equal
-    shapes, dtypes and storage sizes to tensors that were not; a cloned view's key holds
-    the clone's storage, never equal to the view's).
+    The checks skipped are implied by layouts equal to a full staging's: the layout holds the
+    device, and a cloned view's key holds the clone's storage, never equal to the view's.
     """
     tensors = _uniform_tensors(blob, flat)
     return None if tensors is None else list(tensors)
 
 
 def _uniform_tensors(blob: ItemsBlob, flat: dict[str, Any]) -> tuple | None:
-    """The items' tensors by C-level passes over all items at once, when every item is a
-    plain tensor or every item a non-partial DTensor over a plain tensor; None otherwise
-    (the loop of :func:`resolve_sources` decides per item)."""
+    """The items' tensors by C-level passes when every item is a plain tensor, or every one a
+    non-partial DTensor over one; else None (resolved per item).
+    """
     try:
         objs = blob.lookup(flat)
     except KeyError:
@@ -265,18 +249,13 @@ def _pairs(items: tuple[WriteItem, ...], tensors: list[torch.Tensor]) -> list:
 
 
 class ItemTensors(list[tuple[WriteItem, torch.Tensor]]):
-    """A bucket's ``(WriteItem, tensor)`` pairs that pickle as one blob plus the tensors.
+    """A bucket's ``(WriteItem, tensor)`` pairs, a plain list to every reader, that pickle as one
+    blob plus the tensors.
 
-    It is a plain list of pairs to every reader; only pickling (the staging of the request)
-    differs. Unpickled, it is a plain list again.
-
-    With a ``resolver`` the tensors are looked up on first use (any list operation), not
-    when the bucket is built; pickled before that, the tensors are found by the pickler
-    and staged as the snapshot views would be without making them (a ``SourcedBatch``): in
-    overlapped staging that is on the staging thread, so resolving thousands of items is no
-    longer part of the save call. Only lookups that read nothing but the plan's own flat
-    state are deferred (see :func:`build_buckets`); the tensors are those of the save's
-    state either way.
+    With a ``resolver`` the tensors are looked up on first list use; pickled before that, they
+    are found by the pickler and staged as their detached views (a ``SourcedBatch``), on the
+    staging thread when overlapped. Only lookups into the plan's own flat state are deferred
+    (:func:`build_buckets`).
     """
 
     blob: ItemsBlob
@@ -422,8 +401,9 @@ def build_buckets(
 
 
 def host_buckets(write_buckets: list[WriteBucket], non_blocking: bool = True) -> list[WriteBucket]:
-    """The buckets with every tensor on the host, none aliasing memory that another
-    process can change (see ``FileSystemWriterAsync.preload_tensors``)."""
+    """The buckets with every tensor on the host, none aliasing memory another process can change
+    (see ``FileSystemWriterAsync.preload_tensors``).
+    """
     moved_from_device = False
     result: list[WriteBucket] = []
     for path, name, (bytes_data, tensor_data) in write_buckets:

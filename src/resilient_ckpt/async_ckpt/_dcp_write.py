@@ -1,36 +1,27 @@
 """The background side of the async DCP writer: a rank's data files written in lanes, each
 file checksummed, the outcome reported to the trainer.
 
-What runs where. The trainer splits a rank's plan into *write buckets*, one per data file
-(:mod:`._dcp_buckets`); the background process (persistent worker, forked child, or the
-trainer itself for ``execute_sync``) runs :func:`run_write_job`, which writes each bucket
-with :func:`write_file` and posts the outcome, a :class:`RankWriteReport`, for the trainer
-to take (:func:`take_report`).
+The trainer builds one write bucket per data file (:mod:`._dcp_buckets`); the background
+process (persistent worker, forked child, or the trainer itself for ``execute_sync``) runs
+:func:`run_write_job`, which writes each bucket with :func:`write_file` and posts a
+:class:`RankWriteReport` that the trainer takes (:func:`take_report`).
 
-Decisions:
-
-* **Byte-identical files.** Each item is serialised by torch's own item writer (reached
-  through :mod:`.._torch_compat`), bytes items first, then tensors in plan order, exactly as
-  ``FileSystemWriter`` does with one thread in a process without CUDA (and as NVRx's
-  writer does); tensors whose storage is larger than their bytes are compacted first, as
-  torch does. Where CUDA is available, torch's one-thread writer orders a file's tensors by
-  size instead (its overlapping loader): the same checkpoint, other bytes.
-* **Checksums while writing.** A thin stream wrapper feeds every written buffer to the
-  fastest installed CRC-32 (:mod:`.._checksum`: ISA-L with the ``fast`` extra, zlib
-  otherwise, same values; all release the GIL), so each file's size and CRC32 cost no extra
-  pass over the data and no read-back.
+* **Byte-identical files.** Items are serialised by torch's own item writer (through
+  :mod:`.._torch_compat`), bytes items first, then tensors in plan order, exactly as
+  ``FileSystemWriter`` does with one thread and no CUDA (and as NVRx's writer does); tensors
+  whose storage is larger than their bytes are compacted first, as torch does. With CUDA,
+  torch's writer orders tensors by size instead: the same checkpoint, other bytes.
+* **Checksums while writing**: a stream wrapper feeds every buffer to the CRC-32 of
+  :mod:`.._checksum`, so size and CRC32 cost no extra pass and no read-back.
 * **Lanes of files, all started first.** Files are dealt to ``thread_count`` lanes balanced
-  by bytes; every extra lane's thread starts before the calling thread writes its own lane,
-  so the lanes really overlap (``torch.save`` and ``write`` release the GIL for the data).
-  With ``multiproc_io`` the extra lanes are child processes of the background worker.
-* **Results travel over the background process's channel** (:mod:`._reports`), keyed by
-  the job's token, never through a file: a file per rank and save would be three metadata
-  operations on an object store (PUT, GET, DELETE), thousands per save on a large job.
-  The report is sent as soon as the files are written, before the call ends, so a caller
-  can use it while other work of the same call goes on (the tiered manager's memory tier).
-  A write failure is recorded in the report rather than raised, so finalize still runs on
-  every rank and reports it everywhere. The token makes a report of another save (another
-  job) impossible to take for this one.
+  by bytes; every extra lane starts before the calling thread writes its own, so lanes really
+  overlap (``torch.save`` and ``write`` release the GIL). With ``multiproc_io`` the extra
+  lanes are forked processes.
+* **The outcome is a report, not a file** (:mod:`._reports` says why), keyed by the job's
+  token so a report of another save cannot be taken for this one. It is sent as soon as the
+  files are written, before the call ends (the tiered manager's memory tier uses it early). A
+  write failure is recorded in the report rather than raised, so finalize still runs on
+  every rank and reports it everywhere.
 """
 
 from __future__ import annotations
@@ -141,13 +132,11 @@ def compact(tensor: torch.Tensor) -> torch.Tensor:
 class ChecksumStream:
     """Write-only stream that tracks the size and CRC32 of everything written through it.
 
-    With ``early_writeback`` (set when the file will be fsynced) it also asks the kernel to
-    start writing each full ``WRITEBACK_BYTES`` to disk right away (``posix_fadvise``
-    ``DONTNEED`` starts writeback of dirty pages and drops them from the page cache once
-    clean). Otherwise nothing reaches the disk before the final fsync (the dirty-page
-    thresholds are gigabytes), so serialising and checksumming would not overlap the disk
-    at all. Large buffers are handled in slices so the overlap also happens within one
-    big tensor.
+    With ``early_writeback`` (the file will be fsynced) each full ``WRITEBACK_BYTES`` is handed
+    to the kernel for writeback at once (``posix_fadvise`` ``DONTNEED``): otherwise nothing
+    reaches the disk before the final fsync (the dirty-page thresholds are large),
+    so serialising would not overlap the disk. Large buffers go in slices so the overlap
+    also happens within one tensor.
     """
 
     SLICE_BYTES = 16 << 20
@@ -189,10 +178,10 @@ class ChecksumStream:
         return self.size
 
     def align(self, boundary: int) -> None:
-        """Pad with zeros up to a multiple of ``boundary`` bytes. DCP records each item's
-        offset and length, so bytes between items are never read; a tensor item that starts
-        aligned can be loaded as a view of a mapped file (see
-        :mod:`.cached_metadata_filesystem_reader`)."""
+        """Pad with zeros to a multiple of ``boundary``. DCP records each item's offset and
+        length, so padding is never read, and an aligned tensor item can be loaded as a view of a
+        mapped file.
+        """
         if self.size % boundary:
             self.write(bytes(boundary - self.size % boundary))
 
@@ -266,8 +255,9 @@ MULTIPROC_DAEMON_ERROR = (
 def _lane_process(
     conn: Any, parent_pid: int, write_one: Callable[[WriteBucket], FileRecord], lane: list
 ) -> None:
-    """Body of one writer process (forked): write its files, send the records or the
-    failure's text, exit without running the parent's exit handlers."""
+    """One forked writer process: write its files, send the records or the failure's text, exit
+    without the parent's exit handlers.
+    """
     arm_parent_death_signal(parent_pid)
     try:
         try:
@@ -281,9 +271,9 @@ def _lane_process(
 def _write_lanes_in_processes(
     lanes: list[list[WriteBucket]], write_one: Callable[[WriteBucket], FileRecord]
 ) -> list[Any]:
-    """One forked process per lane (``is_multiproc_io``): the outcome of each lane, in
-    order: its records, or an exception. The fork shares the staged tensors copy-on-write,
-    so nothing is copied to hand them over."""
+    """One forked process per lane; each lane's records or exception, in order. The fork shares
+    the staged tensors copy-on-write, so nothing is copied to hand them over.
+    """
     if mp.current_process().daemon:
         raise CheckpointWriteError(MULTIPROC_DAEMON_ERROR)
     ctx = mp.get_context("fork")
@@ -324,8 +314,9 @@ def write_all(
     *,
     processes: bool = False,
 ) -> list[FileRecord]:
-    """Write every bucket with up to ``thread_count`` threads (or forked processes, with
-    ``processes``); raise the first failure."""
+    """Write every bucket with up to ``thread_count`` threads (or forked ``processes``); raise the
+    first failure.
+    """
     lanes = assign_lanes(buckets, max(1, thread_count))
     if processes:
         return _first_failure_or_records(_write_lanes_in_processes(lanes, write_one))
@@ -395,8 +386,9 @@ def run_write_job(
 def take_report(
     job: WriteJob, *, timeout: float = 0.0, ended: Callable[[], bool] | None = None
 ) -> RankWriteReport:
-    """This rank's write report (trainer side): waits up to ``timeout`` while the call runs
-    (``ended``: whether it is over); named errors when it did not report."""
+    """This rank's write report (trainer side), waiting up to ``timeout`` while the call runs
+    (``ended``: whether it is over); named errors when it did not report.
+    """
     what = f"the background write to {job.checkpoint_dir!r}"
     report = _reports.take(job.token, rank=job.rank, what=what, timeout=timeout, ended=ended)
     if not isinstance(report, RankWriteReport) or report.token != job.token:

@@ -3,31 +3,25 @@
 The trainer side of the protocol in :mod:`._worker`: the process, its connection, and the
 requests in flight.
 
-* **Start.** The worker is a new interpreter (``subprocess``) that runs the bootstrap of
-  :mod:`._worker`, started at warm-up or by the first request, with this process's
-  interpreter options, standard streams (stdin excepted) and environment. It receives its
-  end of a ``multiprocessing`` socket pair by ``pass_fds`` and, over it, this process's
-  ``sys.path`` (so the user's modules and the library import as they do here) and its
-  :class:`~._worker.Setup`. Not ``multiprocessing``'s ``spawn``: spawn imports the trainer's
-  main module into the child, so a script without an ``if __name__ == "__main__":`` guard
-  (the first script a user writes, a ``python -c`` program, a notebook cell) ran its
-  training again in the worker and killed it. The worker imports the main module only for
-  a request that names one of its functions (see :mod:`._worker`). Spawn has no public
-  switch to skip that import; ``subprocess`` and a connection are public and as simple.
-* **Handshake.** The worker is used once its ``Hello`` arrives within
-  ``timeouts.worker_start``; one that exits first is reported with its exit code (its
-  traceback, if any, went to the shared standard error).
-* **Scheduling** stages the request into a shared-memory arena (:mod:`._staging`), attaches
-  the arena to the worker once, and sends a ``Submit``.
-* **Results** are drained without blocking. ``Report`` messages (sent while a request runs,
-  before its ``Result``) go to the process-wide inbox of :mod:`._reports`. A report may be
-  awaited on another thread (the tiered manager's replicator), so the caller is also a
-  *pump* through which that thread reads the channel, one reader at a time; a ``Result``
-  read there waits for the trainer thread, which alone changes the caller's state.
-* **A dead worker** is noticed by its sentinel (a pipe whose only writer is the worker,
-  as ``multiprocessing`` makes one) or by EOF on the connection and is reaped: every call
-  in flight fails with a :class:`WorkerDiedError` naming the rank and the exit code, and
-  its arenas are freed. The next request starts a fresh worker.
+* **Start**: a new interpreter (``subprocess``) running :mod:`._worker`'s bootstrap, at
+  warm-up or on the first request, with this interpreter's options, standard streams (stdin
+  excepted) and environment; its end of a socket pair goes by ``pass_fds``, then
+  ``sys.path`` and the :class:`~._worker.Setup` over it. Not ``multiprocessing``'s
+  ``spawn``: spawn imports the trainer's main module into the child, so an unguarded script,
+  a ``python -c`` program or a notebook cell ran its training again in the worker, and it
+  has no public switch to skip that (the main module is imported on demand, see
+  :mod:`._worker`).
+* **Handshake**: the worker is used once its ``Hello`` arrives within
+  ``timeouts.worker_start``; one that exits first is reported with its exit code.
+* **Scheduling** stages the request into an arena (:mod:`._staging`), attaches the arena to
+  the worker once, and sends a ``Submit``.
+* **Results** are drained without blocking; ``Report`` messages go to :mod:`._reports`'
+  inbox. A report may be awaited on another thread, so the caller is also a *pump* through
+  which that thread reads the channel, one reader at a time; a ``Result`` read there waits
+  for the trainer thread, which alone changes the caller's state.
+* **A dead worker** is noticed by its sentinel or by EOF on the connection and reaped: every
+  call in flight fails with :class:`WorkerDiedError` naming the rank and exit code, its
+  arenas are freed, and the next request starts a fresh worker.
 * **Shutdown escalates**: ``Shutdown`` after the queued requests (unless aborting), then
   SIGTERM, then SIGKILL.
 """
@@ -81,8 +75,9 @@ logger = get_logger(__name__)
 
 
 class WorkerProcess:
-    """The worker's process: what the caller uses of it, named as ``multiprocessing.Process``
-    names it (``sentinel``: readable once the process has exited)."""
+    """The worker's process, with ``multiprocessing.Process``'s names for what the caller uses
+    (``sentinel``: readable once the process has exited).
+    """
 
     def __init__(self, popen: subprocess.Popen, sentinel: int) -> None:
         self._popen = popen
@@ -117,8 +112,7 @@ class WorkerProcess:
 
 
 def _interpreter_options() -> list[str]:
-    """The options of this interpreter that a new one should share (as spawn passes them):
-    ``-O``, ``-B``, ``-E``, ``-s``, ``-S``, ``-I``, ``-P``, ``-W`` and ``-X``."""
+    """This interpreter's options that a new one should share, as spawn passes them."""
     options = ["-O"] * sys.flags.optimize
     options += [opt for flag, opt in _FLAG_OPTIONS if getattr(sys.flags, flag, False)]
     options += [f"-W{option}" for option in sys.warnoptions]
@@ -138,8 +132,9 @@ _FLAG_OPTIONS = (
 
 
 def _launch(setup: Setup) -> tuple[WorkerProcess, Channel]:
-    """Start a worker: a new interpreter running :data:`._worker.BOOTSTRAP`, with this
-    process's standard streams and environment; send it ``sys.path`` and ``setup``."""
+    """Start a worker interpreter running :data:`._worker.BOOTSTRAP`; send it ``sys.path`` and
+    ``setup``.
+    """
     if not sys.executable:
         raise ConfigurationError(
             "cannot start the checkpoint worker: sys.executable is empty (an embedded "
@@ -179,10 +174,9 @@ def _launch(setup: Setup) -> tuple[WorkerProcess, Channel]:
 def _complete_and_stage(
     request: tuple, *args: Any, order: DeviceOrder | None = None, **kwargs: Any
 ) -> StagedRequest:
-    """Stage ``(async_fn, args, kwargs, preload_fn)`` after completing its deferred
-    arguments (a save planned at staging, see :mod:`._staging`): here, so that
-    in overlapped staging that work runs on the staging thread too (``order``: that
-    thread's place in the save call's CUDA streams)."""
+    """Complete the request's deferred arguments, then stage it: here, so that in overlapped
+    staging both run on the staging thread.
+    """
     if order is not None:
         order.adopt()
     resolve_deferred(request[1])
@@ -350,9 +344,9 @@ class PersistentAsyncCaller(AsyncCaller):
     ) -> None:
         """Stage ``async_req`` and hand it to the worker.
 
-        With ``overlap_staging`` the snapshot completes after this returns (see
-        :mod:`._staging`); the request reaches the worker at :meth:`wait_for_snapshot`
-        (called implicitly by every other method of this caller, so it is never lost).
+        With ``overlap_staging`` the snapshot completes after this returns; the request reaches the
+        worker at :meth:`wait_for_snapshot`, which every other method of this caller calls first,
+        so it is never lost.
         """
         self._drain()  # settles a pending snapshot first
         self.start(wait_ready=False)
@@ -428,9 +422,10 @@ class PersistentAsyncCaller(AsyncCaller):
         self._submit(call_idx, staged)
 
     def _settle_snapshot(self) -> None:
-        """The implicit :meth:`wait_for_snapshot` of every other method: a failed snapshot
-        is recorded as its call's failure, which finalizing reports on every rank; raising
-        here could leave this rank out of a collective the others entered."""
+        """The implicit :meth:`wait_for_snapshot`: a failed snapshot becomes its call's failure,
+        reported on every rank by finalize; raising here could leave this rank out of a collective
+        the others entered.
+        """
         if self._snapshot is None:
             return
         try:
@@ -476,9 +471,9 @@ class PersistentAsyncCaller(AsyncCaller):
             self._pool.release(arena_id)
 
     def warmup(self, state: Any = None, *, nbytes: int | None = None) -> None:
-        """Start the worker, the copy threads and an arena sized for ``state``'s tensors
-        (or ``nbytes``), pre-faulted and attached, and prime the staging cache with
-        ``state``'s layout, so the first save costs a steady one."""
+        """Start the worker and the copy threads, attach a pre-faulted arena sized for ``state`` (or
+        ``nbytes``), and prime the staging cache, so the first save costs a steady one.
+        """
         self._settle_snapshot()
         self.start(wait_ready=False)
         warm_threads(self.copy_threads)
@@ -502,8 +497,7 @@ class PersistentAsyncCaller(AsyncCaller):
             self._pool.release(arena.arena_id)
 
     def _attach(self, channel: Channel, arena: Arena) -> None:
-        """Hand ``arena`` to the worker (once); make it unmap the arenas the pool replaced,
-        so neither process keeps memory that no longer serves any save."""
+        """Hand ``arena`` to the worker (once), and have it unmap the arenas the pool replaced."""
         for stale in self._attached - self._pool.live_ids():
             channel.send(DetachArena(stale))
             self._attached.discard(stale)
@@ -539,8 +533,9 @@ class PersistentAsyncCaller(AsyncCaller):
         self.timings.setdefault(result.call_idx, {}).update(result.timings)
 
     def _receive(self) -> bool:
-        """Read every message that has arrived (the caller holds ``_recv_lock``): reports
-        into the inbox, results queued for :meth:`_drain`. False once the channel is lost."""
+        """Read every arrived message (under ``_recv_lock``): reports into the inbox, results for
+        :meth:`_drain`. False once the channel is lost.
+        """
         channel = self._channel
         if channel is None or not self._ready:
             return True
@@ -555,8 +550,9 @@ class PersistentAsyncCaller(AsyncCaller):
             self._arrived.append(body)
 
     def pump_reports(self) -> None:
-        """Deliver the reports that have arrived (any thread; skipped while another thread
-        reads the channel, which delivers them)."""
+        """Deliver the arrived reports (any thread; skipped while another thread reads the
+        channel).
+        """
         if self._recv_lock.acquire(blocking=False):
             try:
                 self._receive()

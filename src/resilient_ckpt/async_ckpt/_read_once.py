@@ -1,64 +1,33 @@
-"""Read-once DCP loads: each stored byte range that several ranks need is read from storage by
-one of them and carried to the others over the process group; and the count of the bytes
-each rank read.
+"""Read-once DCP loads: a stored byte range that several ranks need is read by one of them and
+carried to the others over the process group; and the count of the bytes each rank read.
 
-With data parallelism every rank of a replica group needs the same items, and torch's
-reader has each rank read all of them: a restore reads the checkpoint once per replica,
-from the shared file system or object store, while the whole job waits. Here the reader
-plans the reads across ranks, inside the two collectives ``dcp.load`` already makes.
+With data parallelism every rank of a replica group needs the same items, and torch's reader
+has each rank read all of them: a restore reads the checkpoint once per replica from shared
+storage while the job waits. Here the reads are planned across ranks inside the two
+collectives ``dcp.load`` already makes.
 
-**The unit of reading.** A reader reads storage in *units*: a stored item's byte range
-(file, offset, length) where a rank can read part of a file (a local file, mapped: a load
-touches only the ranges it slices), or a whole file where it cannot (an object is
-downloaded whole; the tiered reader checksums whole files). :class:`ReadOnceReader` asks
-its subclass which (:meth:`ReadOnceReader._whole_files`).
+**The plan** (coordinator, ``prepare_global_plan``, which sees every ``LoadPlan``): the unit
+of reading is an item's byte range, or a whole file where a rank cannot read part of one
+(:meth:`ReadOnceReader._whole_files`). A unit needed by one rank is read by it; a shared unit
+by the needer with the fewest bytes so far (largest first, ties to the lowest rank). Each
+rank's :class:`ReadOrders` travel in its plan's ``storage_data``, in the scatter
+``dcp.load`` makes anyway, not in an extra all-gather whose payload would grow with the job.
+Orders are made only when the load spans every rank (the library's group carries the data),
+``read_once`` is on (the coordinator decides), some unit is shared, and no item used stream
+transforms; otherwise each rank reads all it needs, as torch's reader does.
 
-**The plan**, made by the coordinator in ``prepare_global_plan``, where it sees every
-rank's ``LoadPlan``: a unit needed by one rank is read by that rank; a unit needed by
-several is read by the one of them with the fewest bytes to read so far (units taken
-largest first, ties to the lowest rank), so readers are spread evenly and every rank
-computes nothing. Each rank's part (:class:`ReadOrders`: which items it sends to whom, and
-receives from whom, in one agreed order) travels in its plan's ``storage_data``, in the
-scatter ``dcp.load`` makes anyway; the alternative, an all-gather of every rank's plan in
-``read_data``, would cost a collective whose payload grows with the job. What a rank
-reads is unchanged in kind: resharding (a plan that needs part of a saved chunk, or parts
-of several) is the planner's as before, and bytes items travel like tensor items. Orders
-are made only when the load spans every rank of the job (the library's group carries the
-data), the reader was asked to (``read_once``; the coordinator's setting decides for
-all), some unit is shared, and no item went through storage-writer stream transforms
-(those are read by torch's reader, on each rank).
+**The load** (``read_data``, every rank): (1) read this rank's units, for itself and others;
+(2) one agreement on the library's gloo group (:func:`~resilient_ckpt._dist.agree`), so a
+failed read is known before any data moves and every rank raises
+:class:`~resilient_ckpt.errors.RankCheckpointReadError` instead of waiting on a peer that
+will never send; (3) one message per pair of ranks, all posted at once
+(``batch_isend_irecv``), so no ordering can deadlock; (4) copy into targets as the plain
+load does. Stored bytes travel over gloo; when every target is on CUDA and the default group
+is NCCL (agreed in step 2), tensor items are decoded by the reader and go over NCCL. A
+peer dying mid-transfer is bounded by the group's timeout.
 
-**The load** (``read_data``, on every rank): (1) read every unit this rank reads, for
-itself and for others, and resolve its targets; (2) one agreement on the library's gloo
-group (:func:`~resilient_ckpt._dist.agree`): a rank that failed to read, or read a bad
-checksum, is reported before any data moves, so every rank raises
-:class:`~resilient_ckpt.errors.RankCheckpointReadError` (naming the rank; its message
-names the file) instead of waiting on a peer that will never send; (3) the data: per pair
-of ranks one message carrying the items in their agreed order, all posted at once
-(``batch_isend_irecv``), so there is no ordering to deadlock on; (4) each rank copies its
-items, read or received, into its targets as the plain load does. ``dcp.load`` then
-reports a failure on any rank on every rank, as its ``CheckpointException`` whose
-``failures`` hold the error each rank raised. A peer that dies mid-transfer is bounded by
-the group's timeout.
-
-**Transport.** Stored bytes travel over the library's gloo group (CPU), and the receiver
-decodes them exactly as if it had read them. When every rank's destination tensors are on
-CUDA and the job's default group is NCCL (step 2 also agrees on that), tensor items travel
-over NCCL instead: the reader decodes each item on the CPU, and the bytes of the saved
-chunk (contiguous, 64-byte aligned in the message) go device to device; the receiver
-knows each chunk's shape and dtype from the checkpoint's metadata. Bytes items still take
-gloo. A message is one concatenation of its items, built once per distinct list (in pure
-data parallelism a reader sends the same list to every peer); a rank holds what it reads
-and receives until its items are copied out.
-
-**Counting.** :class:`ReadCounter` counts the data bytes a rank reads from storage in a
-load, where the reading happens: the length of each item taken from a mapped file, each
-whole file downloaded or checksummed. Bytes received from peers and the metadata are not
-counted. ``reader.bytes_read`` is this rank's count for its latest load;
-:func:`bytes_read_by_rank` gathers every rank's.
-
-**Single process.** A load without a process group, with ``no_dist``, or on rank-local
-metadata plans one rank: no orders, each item is read as before.
+:class:`ReadCounter` counts bytes read from storage where the reading happens, not bytes
+received from peers nor the metadata; :func:`bytes_read_by_rank` gathers every rank's.
 """
 
 from __future__ import annotations
@@ -96,8 +65,7 @@ Items = tuple[MetadataIndex, ...]
 
 
 class ReadCounter:
-    """Bytes read from storage by this rank in a load (thread-safe: object-store files are
-    downloaded on several threads)."""
+    """Bytes read from storage by this rank in a load (thread-safe: downloads run on threads)."""
 
     def __init__(self) -> None:
         self._bytes = 0
@@ -117,18 +85,18 @@ class ReadCounter:
 
 
 def bytes_read_by_rank(reader: Any) -> list[int]:
-    """Every rank's ``reader.bytes_read`` (its latest load), in rank order; their sum is what
-    the load read from storage in total. Collective on the library's group; without a
-    process group, this process's count alone."""
+    """Every rank's ``reader.bytes_read`` for its latest load, in rank order. Collective on the
+    library's group; without a process group, this process's count alone.
+    """
     counts = _dist.agree("gathering bytes read", None, ints=(int(reader.bytes_read),))
     return [outcome.ints[0] for outcome in counts]
 
 
 @dataclass(frozen=True)
 class ReadOrders:
-    """One rank's part in a read-once load: ``sends`` lists, per receiving rank, the items
-    this rank reads and sends it; ``receives`` per sending rank the items that arrive from
-    it, in the sender's order. Set by the coordinator in the rank's ``LoadPlan.storage_data``."""
+    """One rank's part in a read-once load: per receiving rank the items this rank reads and sends
+    it, and per sending rank the items that arrive from it, in the sender's order.
+    """
 
     sends: tuple[tuple[int, Items], ...] = ()
     receives: tuple[tuple[int, Items], ...] = ()
@@ -138,10 +106,10 @@ def plan_reads(
     needs: Sequence[Sequence[MetadataIndex]],
     unit_of: Callable[[MetadataIndex], tuple[Hashable, int]],
 ) -> list[ReadOrders] | None:
-    """Every rank's :class:`ReadOrders` from what each rank needs (``needs[rank]``: the
-    storage items of its plan); ``unit_of(item)`` is the unit a rank reads to get the item
-    and the unit's size in bytes. None when no unit is needed by two ranks (nothing to share).
-    Deterministic: the same needs give the same orders."""
+    """Every rank's :class:`ReadOrders` from ``needs[rank]`` (its plan's storage items);
+    ``unit_of(item)`` gives the unit read to get the item and its size. None when no unit is
+    shared. Deterministic.
+    """
     units: dict[MetadataIndex, Hashable] = {}
     needers: dict[Hashable, list[int]] = {}
     sizes: dict[Hashable, int] = {}
@@ -197,17 +165,12 @@ def _orders(
 class ReadOnceReader:
     """Read-once loading for a ``FileSystemReader`` subclass (mixed in before it).
 
-    ``read_once``: None follows ``RESILIENT_CKPT_READ_ONCE`` (default on); False reads as
-    torch's reader does, every rank all it needs. ``bytes_read``: the data bytes this rank
-    read from storage in its latest load.
-
-    Call protocol (``dcp.load``'s): ``set_up_storage_reader`` on every rank (forgets the
-    last count), ``prepare_global_plan`` on the coordinator (plans the reads, see the
-    module docstring), ``read_data`` on every rank: with orders in the plan, collective on
-    the library's group; without, this rank alone. Subclasses implement the hooks:
-    ``_read_alone`` (the load without orders), ``_file_bytes`` (a file's bytes, counted
-    when read whole), and may override ``_whole_files``, ``_begin_reads`` and
-    ``_release_files``.
+    ``read_once``: None follows ``RESILIENT_CKPT_READ_ONCE`` (default on); False reads as torch's
+    reader does. Call protocol (``dcp.load``'s): ``set_up_storage_reader`` on every rank (resets
+    the count), ``prepare_global_plan`` on the coordinator (plans the reads), ``read_data`` on
+    every rank, collective on the library's group when the plan carries orders. Subclasses
+    implement ``_read_alone`` and ``_file_bytes``, and may override ``_whole_files``,
+    ``_begin_reads`` and ``_release_files``.
     """
 
     storage_data: dict[Any, Any]
@@ -220,8 +183,9 @@ class ReadOnceReader:
 
     @property
     def bytes_read(self) -> int:
-        """Data bytes this rank read from storage in its latest load (not those received
-        from peers, nor the metadata)."""
+        """Data bytes this rank read from storage in its latest load (not those received from peers,
+        nor the metadata).
+        """
         return self._read_counter.bytes
 
     # -- the StorageReader calls --------------------------------------------------------------
@@ -265,12 +229,13 @@ class ReadOnceReader:
         raise NotImplementedError
 
     def _file_bytes(self, name: str) -> torch.Tensor:
-        """The bytes of data file ``name`` (relative to the checkpoint) as a uint8 CPU tensor;
-        a reader of whole files counts them here, once per load."""
+        """Data file ``name``'s bytes as a uint8 CPU tensor; a whole-file reader counts them
+        here.
+        """
         raise NotImplementedError
 
     def _whole_files(self) -> bool:
-        """Whether reading any item of a file reads the whole file (see the module doc)."""
+        """Whether reading any item of a file reads the whole file."""
         return False
 
     def _begin_reads(self, names: list[str]) -> None:
@@ -285,7 +250,7 @@ class ReadOnceReader:
         self._read_counter.add(nbytes)
 
     def _units(self) -> Callable[[MetadataIndex], tuple[Hashable, int]]:
-        """The unit a rank reads to get an item, and its size (see the module docstring)."""
+        """The unit a rank reads to get an item, and its size."""
         data = self.storage_data
         if not self._whole_files():
             return lambda index: (
@@ -300,7 +265,7 @@ class ReadOnceReader:
 
 
 class _Load:
-    """One rank's read-once ``read_data`` (see the module docstring for the steps)."""
+    """One rank's read-once ``read_data`` (the steps are in the module note)."""
 
     def __init__(
         self, reader: ReadOnceReader, plan: LoadPlan, planner: LoadPlanner, orders: ReadOrders
@@ -390,8 +355,9 @@ class _Load:
                 self.targets[position] = self.planner.resolve_tensor(req).detach()
 
     def _decode_sends(self) -> None:
-        """The saved chunks this rank sends over NCCL, decoded and checked against the
-        metadata now, so a bad one fails the agreement rather than the transfer."""
+        """Decode and check against the metadata the chunks this rank sends over NCCL, so a bad one
+        fails the agreement rather than the transfer.
+        """
         item_tensor = _archive().item_tensor
         for _, items in self.orders.sends:
             for index in items:
@@ -485,9 +451,10 @@ def _exchange(
     device: torch.device,
     group: Any,
 ) -> dict[MetadataIndex, torch.Tensor]:
-    """One message per peer each way, all posted at once; the items that arrived, each a
-    uint8 view of its message. Both sides know every item's size (``nbytes``), so a message
-    is only the items' bytes, each at a multiple of ``align``."""
+    """One message per peer each way, all posted at once; the items that arrived, each a uint8 view
+    of its message. Both sides know every item's size, so a message is only the items' bytes,
+    each at a multiple of ``align``.
+    """
     ops = []
     # One message per distinct list (one object after unpickling, see _orders): in pure
     # data parallelism a reader holds one copy of what it sends, not one per peer.
@@ -576,8 +543,7 @@ def _copy_decoded(
 
 
 def _nccl_ready(targets: Iterable[torch.Tensor]) -> bool:
-    """Whether this rank can take tensor items over NCCL: the default group is NCCL and
-    every destination tensor is on CUDA."""
+    """Whether the default group is NCCL and every target tensor is on CUDA."""
     if not (torch.cuda.is_available() and _dist.is_distributed()):
         return False
     if "nccl" not in str(dist.get_backend()).lower():
@@ -586,8 +552,9 @@ def _nccl_ready(targets: Iterable[torch.Tensor]) -> bool:
 
 
 def _chunk_transport() -> tuple[torch.device, Any]:
-    """Where decoded chunks travel: this rank's CUDA device, over the default group (NCCL).
-    One function, so that a test can route the same path over gloo on the CPU."""
+    """Where decoded chunks travel: this rank's CUDA device, over the default group (NCCL); a
+    function so that a test can route the same path over gloo.
+    """
     return torch.device("cuda", torch.cuda.current_device()), None
 
 
@@ -602,7 +569,7 @@ def _checkpoint_name(reader: Any) -> str:
 
 
 def _archive() -> Any:
-    """The item decoder (the reader module, which imports this one: imported on use)."""
+    """The item decoder module (it imports this one, so imported on use)."""
     from . import cached_metadata_filesystem_reader
 
     return cached_metadata_filesystem_reader

@@ -1,29 +1,23 @@
 """Reports: small values that background code sends back to the trainer while it runs.
 
 A DCP write tells the trainer what it wrote (files, sizes, CRC32s, DCP results, or its
-failure) through a report, posted under a key unique to the write (its job's token). The
-report travels over the channel the background process already has with the trainer, so a
-save costs no extra file in the checkpoint (on an object store, a PUT, a GET and a DELETE
-per rank per save).
+failure) through a report under a key unique to the write. The report travels over the
+channel the background process already has, never as a file in the checkpoint: a file per
+rank and save is a PUT, a GET and a DELETE on an object store, thousands of metadata
+operations per save on a large job.
 
-Where :func:`post` goes depends on where the background code runs:
+:func:`post` goes, depending on where the background code runs, to a
+:class:`._worker.Report` message on the persistent worker's channel (sent at once, before
+the call's ``Result``, so a report can be taken while the call still runs), to the pipe of
+the child forked by :class:`._callers.TemporalAsyncCaller`, or, in the trainer itself
+(``execute_sync``, ``dcp.save``), straight into the inbox. A background process installs a
+sink (:func:`set_sink`); the trainer has none.
 
-* the persistent worker: a :class:`._worker.Report` message on its channel, sent at once,
-  before the call's ``Result`` (so a report can be taken while the call is still running,
-  as the tiered manager does for its memory tier);
-* the child forked by :class:`._callers.TemporalAsyncCaller`: its pipe to the trainer;
-* the trainer itself (``execute_sync``, ``dcp.save``): straight into the inbox.
-
-The process that installs a sink (:func:`set_sink`) is a background process; the trainer
-has none. On the trainer side received reports wait in one process-wide inbox until
-:func:`take`; the callers that read channels register as *pumps*, and :func:`take` pumps
-them itself while it waits, from any thread, so a report never waits for the training loop
-to poll its queue.
-
-A report nobody takes belongs to a save that failed or was abandoned (its finalize never
-ran). The inbox keeps at most :data:`KEEP` such reports, the oldest go first: memory stays
-bounded over any number of failed saves, while far more reports than can be in flight at
-once (a queue has at most a few staged saves, each with a report per tier) stay available.
+Trainer side: reports wait in one process-wide inbox until :func:`take`, which pumps the
+callers' channels itself while it waits, from any thread, so a report never waits for the
+training loop to poll. A report nobody takes belongs to a failed or abandoned save; the
+inbox keeps at most :data:`KEEP`, oldest dropped first, which bounds memory while staying
+far above the reports that can be in flight at once.
 """
 
 from __future__ import annotations
@@ -61,8 +55,9 @@ _pumps: weakref.WeakSet[Pump] = weakref.WeakSet()
 
 
 def set_sink(sink: Callable[[str, Any], None] | None) -> None:
-    """Where this process's :func:`post` sends reports (a background process sets it at
-    start; ``None``: this process is the trainer)."""
+    """Where this process's :func:`post` sends reports (set by a background process at start;
+    ``None``: this is the trainer).
+    """
     global _sink
     _sink = sink
 
@@ -104,11 +99,10 @@ def take(
 ) -> Any:
     """Remove and return the report posted under ``key``.
 
-    Waits up to ``timeout`` seconds, reading the callers' channels meanwhile; ``ended``
-    tells when the background call that would post it is over (then waiting is pointless).
-    Raises ``CheckpointWriteError`` when there is no report and the call is over (or no
-    wait was asked for), ``CheckpointTimeoutError`` past the deadline; both name ``rank``
-    and ``what`` was expected to report.
+    Waits up to ``timeout`` seconds, reading the callers' channels meanwhile; ``ended`` says
+    when the call that would post it is over. Raises ``CheckpointWriteError`` when there is no
+    report and the call is over (or no wait was asked for), ``CheckpointTimeoutError`` past the
+    deadline; both name ``rank`` and ``what`` was expected to report.
     """
     deadline = time.monotonic() + timeout
     while True:

@@ -1,98 +1,44 @@
 """Staging: a request's tensors snapshotted into reusable shared memory, and back out.
 
-Decision: the trainer copies every tensor reachable from a request (its ``async_fn``,
-arguments, keyword arguments and ``preload_fn``, however deeply nested, inside dataclasses
-and partials too) into an *arena*: one ``memfd`` shared-memory region mapped by both the
-trainer and its worker (:mod:`._arena`). When ``schedule_async_request`` returns, the
-checkpoint content is fixed; training may change its tensors at once. Arenas are kept in a
-pool and reused for every save whose bytes fit, so in steady state no segment is created per
-save and host memory does not grow.
+Decision: the trainer copies every tensor reachable from a request (``async_fn``, arguments,
+``preload_fn``, however deeply nested) into an *arena*, one ``memfd`` region mapped by trainer
+and worker (:mod:`._arena`). When ``schedule_async_request`` returns the checkpoint content is
+fixed and training may change its tensors. Arenas are pooled and reused for every save whose
+bytes fit, so in steady state no segment is created per save and host memory does not grow.
 
-Trainer side: the request is pickled once with a :class:`pickle.Pickler` whose
-``dispatch_table`` maps ``torch.Tensor`` and ``Parameter`` to a reducer that replaces each
-strided CPU or CUDA tensor by a small descriptor (slot, dtype, size, stride, offset). The
-table is looked up by the C pickler only for objects of those types, so the cost is one
-Python call per tensor, not one per pickled object (a ``persistent_id`` method is called for
-every object, dozens per DCP write item). Tensors are grouped by *storage*, so views and tied
-weights stay shared exactly as ``torch.save`` would see them. The slots are laid out in the
-arena and filled by :mod:`._copy` (memmove on copy threads; ``copy_`` device-to-host for
-CUDA). A request laid out like the previous one reuses its descriptors and copy plan
-(:mod:`._stage_cache`).
+Trainer side: the request is pickled once with a ``dispatch_table`` that reduces each strided
+CPU or CUDA tensor to a descriptor (slot, dtype, size, stride, offset). The C pickler consults
+the table only for tensor types, so the cost is one Python call per tensor; a
+``persistent_id`` method would be called for every object pickled. Slots are keyed by
+*storage*, so views and tied weights stay shared exactly as ``torch.save`` would see them.
+:mod:`._copy` fills the slots; :mod:`._stage_cache` lets a request laid out like the previous
+one reuse its descriptors and copy plan. Lists of tensors our own code builds, and a
+``torch.save`` state's dicts of tensors, travel as one blob of descriptors
+(:class:`TensorBatch`, :class:`SourcedBatch`, :class:`TensorDict`). Worker side,
+:func:`unstage` rebuilds each descriptor as a tensor over its slot.
 
-Batches: a reducer call and a descriptor pickled per tensor add up for a save of thousands.
-Lists our own code builds (a DCP bucket's tensors, a local shard's) are known to hold only
-tensors, so they travel as one blob of descriptors per list (:class:`TensorBatch`). A
-:class:`SourcedBatch` (the async DCP writer's bucket, whose tensors the worker must get
-*detached*) is staged as the detached tensors would be, without making them: nothing but the
-bytes and the layout ever leaves the trainer. A ``torch.save`` state's dicts of tensors are
-batched too (:class:`TensorDict`), except where a batch would not rebuild the objects
-``torch.save`` would see.
+Overlapped staging (``overlap_staging=True``): all of :func:`stage` runs on one background
+thread until ``wait_for_snapshot`` (:class:`PendingSnapshot`). The request's objects, not
+only its tensors, must stay unchanged until the wait, which also raises pickling errors. CUDA
+copies are ordered after the call (:class:`._copy.DeviceOrder`). Only the trainer's thread
+reads worker results, so a background staging must never wait for an arena: the caller
+ensures one is free first.
 
-Worker side (:func:`unstage`): unpickling rebuilds each descriptor as a tensor whose storage is
-exactly its slot of the arena, one storage per slot. A function or class of the trainer's
-``__main__`` is found through :class:`._worker.MainAwareUnpickler`, which imports that module
-only then.
+Rejected: ``torch.multiprocessing`` queues ``share_memory_`` CPU tensors *in place*, so the
+trainer's tensors would alias the checkpoint and each save would make segments;
+``multiprocessing.shared_memory`` leaves files in ``/dev/shm`` when killed; caching the
+pickled request fails because its non-tensor part (paths, tokens) changes every save (the
+stable, expensive part, DCP write items, is cached per plan in :mod:`._dcp_buckets`).
 
-Overlapped staging (``schedule_async_request(..., overlap_staging=True)``): the call returns
-at once and the whole of :func:`stage` (pickling, the staging cache's check, the arena, the
-copy) runs on one background thread until ``wait_for_snapshot`` (:class:`PendingSnapshot`):
-the per-tensor Python work of a request of thousands of tensors is off the trainer's path as
-well as the copy. The request's objects (its containers and values, not only its tensors)
-must stay unchanged until the wait, and a request that cannot be pickled is reported by the
-wait instead of the call. CUDA tensors are copied on side streams ordered after the call
-(:class:`._copy.DeviceOrder`). Only the trainer's thread reads the worker's results, so a
-background staging must never wait for an arena: the caller makes sure one is free (or may
-be created) before starting it.
-
-Alternatives rejected:
-
-* ``torch.multiprocessing`` queues move CPU tensors into shared memory *in place*
-  (``share_memory_``): the trainer's own tensors would alias the checkpoint, and each save
-  would make new segments.
-* ``multiprocessing.shared_memory`` leaves named files in ``/dev/shm`` when a process is
-  killed (see :mod:`._arena`).
-* Caching the pickled request across saves: its non-tensor part changes every save (paths,
-  tokens), and for a dict of tensors the pickle is already as cheap as reading each
-  tensor's layout. What is expensive and stable, the DCP write items, is cached per plan
-  where the plan is (:mod:`._dcp_buckets`).
-* Issuing the device copies in the save call of an overlapped staging: the call would then
-  cost more than a plain copy loop into pinned memory.
-
-**Deferred arguments** (deferred planning). Decision: with a save's structure unchanged
-since the last one, what its call decides is almost always "the cached plan still holds": a
-walk over the state (cache-cold after a training step) and an all-gather of a few integers
-(a round trip on a loaded node). With ``defer_planning=True`` (opt-in, every rank alike)
-that decision, and the payload it leads to, move out of the call into the staging of the
-request: in overlapped staging (``schedule_async_request(..., overlap_staging=True)``) that
-is the background staging thread, so the save call returns after building a few objects. Two
-flows offer it:
-
-* async DCP, ``save_state_dict_async_plan(..., enable_cache=True, defer_planning=True)``:
-  from the second save on, the steady-state check and, if any rank's structure changed, a
-  full re-plan. The call returns the coordinator's global metadata as a placeholder that
-  the planning fills in place; finalize, after the snapshot was waited for, reads the real
-  one. The writer's payload (``args[1]``) is the :class:`DeferredList` of write buckets.
-* local checkpoints, ``LocalCheckpointManager(..., defer_planning=True)``: an async save
-  without a replication strategy checks the iteration and lays the shard out (cached) at
-  staging, agreed across ranks there; the request's sources are the deferred list.
-
-Nothing is assumed: the staging runs the very same planning as the call would, only later
-and on another thread. Its collectives therefore run on the library's *background* gloo
-group (:func:`resilient_ckpt._dist.background_group`), never on a group the trainer's
-thread uses, so they cannot interleave with the trainer's own collectives; and it always
-runs on the one staging thread of the process (:func:`in_staging_order`), so
-the deferred saves of every queue plan in the order they were staged, on every rank.
-
-What the caller gives up: errors of planning (a state dict that cannot be saved, an
-iteration that is not newer, a directory that cannot be set up) are raised where the
-request is staged, by ``schedule_async_request`` or, overlapped, by ``wait_for_snapshot``,
-on every rank alike; and the state's structure (its containers and keys, not only its
-tensors) must stay as it was until then, as overlapped staging already requires of the
-values.
-
-The persistent queue completes a request's deferred positional arguments before pickling
-it (:func:`resolve_deferred`); a ``preload_fn`` that receives one completes it itself (the
-fork queue and ``execute_sync`` run it in the trainer); pickled incomplete, it refuses.
+**Deferred planning** (``defer_planning=True``; the user's contract is in
+:func:`.state_dict_saver.save_state_dict_async_plan` and ``LocalCheckpointManager``): the
+save's planning runs when its request is staged, the payload being a :class:`DeferredList`.
+It is the very same planning, later: its collectives use the library's *background* gloo
+group (:func:`resilient_ckpt._dist.background_group`), so they never interleave with the
+trainer thread's, and it always runs on the one staging thread (:func:`in_staging_order`),
+so every rank plans deferred saves in the same order. The persistent queue resolves deferred
+arguments before pickling (:func:`resolve_deferred`), a ``preload_fn`` resolves its own, and
+a :class:`DeferredList` pickled unresolved refuses.
 """
 
 from __future__ import annotations
@@ -145,13 +91,10 @@ logger = get_logger(__name__)
 
 
 class TensorBatch(list):
-    """Tensors that staging describes in one reducer call: one pickled blob of descriptors
-    per batch, not one per tensor.
+    """Tensors staged in one reducer call, as one pickled blob of descriptors.
 
-    For lists our own code builds, whose elements are never the same tensor object as
-    elsewhere in the request: unlike pickling them one by one, a batch does not share
-    rebuilt *objects* with the rest of the request (storages are still shared: every slot
-    is keyed by its storage). Unpickled, it is a plain list.
+    Only for lists our own code builds: a batch shares storages (slots) with the rest of the
+    request but not rebuilt tensor *objects*. Unpickled, it is a plain list.
     """
 
     __slots__ = ()
@@ -160,14 +103,10 @@ class TensorBatch(list):
 class SourcedBatch:
     """A batch of tensors found only when staging meets it, staged as their ``detach()``.
 
-    ``checked()`` gives the tensors to copy from, after every check its owner needs (for a
-    full staging). ``quick()`` gives the same tensors found without the per-tensor checks,
-    or None where it cannot: only the staging cache's optimistic pickle calls it, and that
-    pickle is used only if the tensors' layouts equal those of a previous *full*
-    staging of the same request. The owner guarantees that equal layouts imply the checks
-    pass (e.g. a storage size check is implied by equal shapes, dtypes and storage sizes).
-
-    Pickled by anything but staging, it is the plain list of the detached tensors.
+    ``checked()`` gives the tensors after every check its owner needs; ``quick()`` gives them
+    without those checks (or None), for the staging cache's optimistic pickle only, which is kept
+    only if the layouts equal those of a previous full staging. The owner guarantees that equal
+    layouts imply the checks pass. Pickled by anything but staging, it is the detached list.
     """
 
     __slots__ = ("checked", "quick")
@@ -190,20 +129,14 @@ _DICTS = (dict, OrderedDict)
 
 
 class TensorDict:
-    """A ``dict`` (or ``OrderedDict``, with its attributes) of distinct tensors, staged as
-    one :class:`TensorBatch`; unpickled, it is the same dict again.
+    """A ``dict`` or ``OrderedDict`` (with its attributes) of distinct tensors, staged as one
+    :class:`TensorBatch`; unpickled, the same dict again.
 
-    For the ``torch.save`` flow, whose state is the user's: a model's ``state_dict()`` is one
-    dict of hundreds to thousands of tensors, each a reducer call and a descriptor of its own
-    otherwise. Its tensors are rebuilt as the batch's objects, so a tensor object of the
-    dict that the rest of the state also holds (the very object; views and tied weights only
-    share storages, which stay shared by slot) would be rebuilt as a second object, and the
-    worker's ``torch.save`` would write another archive than the trainer's. Staging therefore
-    knows the ids of every batched tensor (:func:`batch_tensor_dicts`): two batched dicts
-    that share one are not batched at all, and a tensor staged on its own whose id is among
-    them (one set lookup per tensor) stages the state again without batches
-    (:class:`MetTwice`). Such a state costs a second pickle; the common one, a state whose
-    dicts of tensors hold their own tensors, costs one set lookup per other tensor.
+    For the ``torch.save`` flow. Its tensors are rebuilt as the batch's objects, so a tensor
+    *object* also held elsewhere in the state would become two objects and the worker's
+    ``torch.save`` would write a different archive. Hence :func:`batch_tensor_dicts` does not
+    batch dicts that share a tensor, and a tensor met outside its batch restarts the staging
+    unbatched (:class:`MetTwice`).
     """
 
     __slots__ = ("attrs", "keys", "kind", "tensors")
@@ -229,7 +162,8 @@ def _rebuild_dict(kind: type, keys: list, tensors: list, attrs: dict | None) -> 
 
 def _as_batch(obj: Any) -> tuple[TensorDict, set[int]] | None:
     """``obj`` as a :class:`TensorDict` and its tensors' ids, if it is a dict of at least
-    ``MIN_BATCHED`` distinct tensors (checked by C-level passes), else None."""
+    ``MIN_BATCHED`` distinct tensors, else None.
+    """
     if type(obj) not in _DICTS or len(obj) < MIN_BATCHED:
         return None
     values = list(obj.values())
@@ -245,12 +179,11 @@ def _attributes(obj: dict) -> dict | None:
 
 
 def batch_tensor_dicts(state: Any) -> tuple[Any, set[int]]:
-    """``state`` with its dicts of tensors as :class:`TensorDict`, and the ids of the tensors
-    batched: ``state`` itself, or its direct dict values (the ``"model"`` of
-    ``{"model": ..., "optimizer": ..., "step": ...}``); nothing deeper, so the cost is a few
-    C-level passes per candidate dict. The caller's objects are not changed (a new outer dict
-    of the same type holds the replacements), and a dict met under two keys stays one object.
-    Two dicts that share a tensor object cannot both be batches: then none is."""
+    """``state`` with its dicts of tensors as :class:`TensorDict`, and the batched tensors' ids.
+
+    Looks at ``state`` and its direct dict values only. The caller's objects are not changed,
+    and two dicts that share a tensor object are not batched.
+    """
     whole = _as_batch(state)
     if whole is not None:
         return whole
@@ -279,16 +212,14 @@ def batch_tensor_dicts(state: Any) -> tuple[Any, set[int]]:
 
 
 class MetTwice(Exception):
-    """A batched tensor was met outside its batch: the request must be staged again with
-    its state unbatched (see :class:`TensorDict`)."""
+    """A batched tensor was met outside its batch: stage again unbatched."""
 
 
 class BatchedWhenPickled:
-    """``state`` staged as :func:`batch_tensor_dicts` makes it, the checks made when staging
-    pickles it rather than when the save is called: with overlapped staging the pickling
-    runs on the background thread, and so do the checks' passes over every tensor. Unpickled,
-    it is ``state`` (the same dicts again). Pickled by anything but staging, it is ``state``
-    as it is."""
+    """``state`` batched by :func:`batch_tensor_dicts` when staging pickles it, not when the save is
+    called, so with overlapped staging those passes run on the background thread. Pickled by
+    anything but staging, it is ``state`` as it is.
+    """
 
     __slots__ = ("state",)
 
@@ -296,9 +227,9 @@ class BatchedWhenPickled:
         self.state = state
 
     def reduce(self, batched: set[int] | None) -> tuple:
-        """The reduction staging pickles: with ``batched``, the state with its dicts of
-        tensors batched, their tensors' ids added to ``batched`` (for the reducer of single
-        tensors to check, see :class:`TensorDict`); with None, the state as it is."""
+        """The reduction: with ``batched``, the state with its dicts batched and their tensors' ids
+        added to ``batched``; with None, the state as it is.
+        """
         if batched is None:
             return _identity, (self.state,)
         state, ids = batch_tensor_dicts(self.state)
@@ -342,15 +273,9 @@ def _stageable(obj: torch.Tensor) -> bool:
 
 
 class _Collector:
-    """Per-pickle state: the storages met so far, by identity, in order of first use.
-
-    It also records, per reducer call, what :mod:`._stage_cache` needs to reuse this pickle's
-    descriptors: the result and how many tensors the call described (one, or a
-    :class:`TensorBatch`'s length), and the tensors in order (for their layouts, see
-    :func:`._stage_cache.layouts`). ``reusable`` turns False when a tensor is pickled by value.
-
-    ``batch_dicts``: whether a :class:`BatchedWhenPickled` state is staged with its dicts
-    batched; ``batched`` holds the ids of the tensors so batched (see :class:`TensorDict`).
+    """Per-pickle state: the storages met so far, by identity, in order of first use, and what
+    :mod:`._stage_cache` needs to reuse the descriptors (each reducer call's result and tensor
+    count, the tensors in order). ``reusable`` turns False when a tensor is pickled by value.
     """
 
     def __init__(self, *, batch_dicts: bool = True) -> None:
@@ -364,8 +289,7 @@ class _Collector:
         self.reusable = True
 
     def _describe(self, obj: torch.Tensor, detached: bool = False) -> tuple:
-        """The arguments of ``rebuild_staged`` for ``obj`` (for ``obj.detach()`` if
-        ``detached``), its storage given a slot."""
+        """``rebuild_staged``'s arguments for ``obj`` (or its ``detach()``)."""
         storage = obj.untyped_storage()
         key = storage_key(storage)
         nbytes = key[2]
@@ -427,12 +351,8 @@ class _Collector:
 
 
 def _dispatch_table(collector: Any) -> dict[type, Any]:
-    """Tensors become arena descriptors; found by a type lookup inside the C pickler.
-
-    A ``persistent_id`` method would be a Python call for *every* object pickled (about 75
-    per DCP write item); the dispatch table costs one call per tensor only. Pickle memoizes
-    the reduced tensor, so a tensor met twice is rebuilt once (identity preserved), and
-    tensors sharing a storage share one slot (views and tied weights stay shared).
+    """The pickler's reducers: tensors and batches become arena descriptors. Pickle memoizes each
+    reduced tensor, so a tensor met twice is rebuilt once.
     """
     table: dict[type, Any] = dict(copyreg.dispatch_table)
     table[torch.Tensor] = collector.reduce_tensor
@@ -455,8 +375,7 @@ class StagedRequest:
 
 
 def dump_with(obj: Any, reducer_owner: Any) -> bytes:
-    """Pickle ``obj``; tensors go through ``reducer_owner.reduce_tensor``, batches of them
-    through ``reducer_owner.reduce_batch``."""
+    """Pickle ``obj`` with ``reducer_owner``'s reducers for tensors and batches."""
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table = _dispatch_table(reducer_owner)
@@ -465,8 +384,9 @@ def dump_with(obj: Any, reducer_owner: Any) -> bytes:
 
 
 def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
-    """Pickle ``obj`` with tensors replaced by descriptors; name ``what`` on failure. A
-    batched tensor met twice (:class:`MetTwice`) has it pickled again without batches."""
+    """Pickle ``obj`` with tensors as descriptors, naming ``what`` on failure; on
+    :class:`MetTwice` it is pickled again unbatched.
+    """
     collector = _Collector()
     try:
         try:
@@ -486,8 +406,7 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
 
 
 def _layout(slots: list[_PendingSlot]) -> tuple[Placement, tuple[Slot, ...]]:
-    """Place ``slots`` in an arena (see :mod:`._copy`), setting each one's offset;
-    the placement and the slots' table for the worker."""
+    """Place ``slots`` in an arena (setting their offsets); the placement and slot table."""
     placement = place([(p.storage.data_ptr() if p.host else None, p.nbytes) for p in slots])
     for slot, offset in zip(slots, placement.offsets, strict=True):
         slot.offset = offset
@@ -503,11 +422,8 @@ def copy_into(
     threads: int = 1,
     order: DeviceOrder | None = None,
 ) -> None:
-    """Copy each pending storage into its arena slot (the only trainer-side data copy).
-
-    Host storages are copied by :func:`._copy.copy_all` as the placement's runs (memmove,
-    ``threads`` threads); device storages with ``copy_`` as ``device`` plans, after
-    ``order`` where given (see :mod:`._copy`).
+    """Copy each pending storage into its slot, the only trainer-side data copy: host storages by
+    memmove runs, device storages with ``copy_`` after ``order`` (:mod:`._copy`).
     """
     base = arena.address
     host = [(base + dst, src, n) for dst, src, n in placement.runs]
@@ -527,10 +443,9 @@ def stage(
 ) -> StagedRequest:
     """Pickle ``obj`` and copy its tensors into an arena from ``pool``.
 
-    ``order``: the save call's place in the CUDA streams, when this runs on the staging
-    thread (overlapped staging, see :class:`._copy.DeviceOrder`).
     With ``cache``, a request laid out like the previous one reuses its descriptors and copy
-    plan (:mod:`._stage_cache`); otherwise it is staged fully and the cache rebuilt.
+    plan; otherwise it is staged fully and the cache rebuilt. ``order``: the save call's place in
+    the CUDA streams, for overlapped staging.
     """
     if cache is not None:
         guessed = cache.try_pickle(obj, dump_with, threads)
@@ -596,12 +511,9 @@ def _remember(
 def prime(
     obj: Any, cache: StageCache, threads: int, what: str = "the warm-up state"
 ) -> tuple[int, list[torch.Tensor]]:
-    """Fill ``cache`` as a full staging of ``obj`` would, copying nothing; the arena bytes
-    ``obj`` needs and its tensors in the cache's order (for :meth:`StageCache.prepare`).
-
-    A later request that meets the same tensors, laid out alike and in the same order (e.g.
-    the warm-up state inside the request that saves it), is then staged by the fast path
-    from its first save on. Any other request simply misses (see :mod:`._stage_cache`).
+    """Fill ``cache`` as a full staging of ``obj`` would, copying nothing; the arena bytes needed
+    and the tensors in the cache's order. A later request with the same tensors laid out alike
+    then takes the fast path from its first save.
     """
     _, collector = collect_descriptors(obj, what)
     placement, slots = _layout(collector.slots)
@@ -685,12 +597,8 @@ T = TypeVar("T")
 
 
 def in_staging_order(fn: Callable[[], T]) -> T:
-    """``fn()`` on the staging thread, after every background staging submitted before it.
-
-    The planning of deferred saves (see :mod:`._staging`) runs collectives on a group of
-    its own; running it here keeps those collectives in the order the saves were staged in,
-    the same on every rank, even when one queue's overlapped staging is still running while
-    another queue (or the fork queue's ``preload_fn``) plans a save in the trainer's thread.
+    """``fn()`` on the staging thread, after every background staging submitted before it, so that
+    deferred planning's collectives run in staging order, the same on every rank.
     """
     if threading.current_thread().name.startswith(_STAGER_PREFIX):
         return fn()
@@ -713,9 +621,9 @@ class PendingSnapshot:
         )
 
     def wait(self, timeout: float) -> tuple[StagedRequest, float]:
-        """The complete staged request and the staging's seconds. Raises what the staging
-        raised; on a deadline, the staging still running releases its arena through
-        ``release`` given to :meth:`abandon`."""
+        """The staged request and the staging's seconds; raises what the staging raised, or
+        :class:`CheckpointTimeoutError` after ``timeout``.
+        """
         if self._future is None:
             raise StagingError(f"snapshot of async request {self.call_idx} was already abandoned")
         try:
@@ -729,10 +637,8 @@ class PendingSnapshot:
         return staged, staging_s
 
     def abandon(self, release: Callable[[int], None], timeout: float | None = None) -> None:
-        """Give up this snapshot: its arena goes back to the pool once nothing writes it.
-
-        ``timeout``: how long to wait for the staging here (None: do not wait; a staging
-        still running then releases its arena when it ends).
+        """Give up this snapshot; its arena goes back through ``release`` once nothing writes it.
+        ``timeout``: how long to wait for the staging here (None: not at all).
         """
         future, self._future = self._future, None
         if future is None:
@@ -754,9 +660,9 @@ class PendingSnapshot:
 
 
 class DeferredArgument:
-    """An argument of an ``AsyncRequest`` completed where the request is staged (in
-    overlapped staging, on the staging thread): :meth:`resolve` completes it in place, once;
-    later calls return it as it is."""
+    """A request argument completed where the request is staged: :meth:`resolve` completes it in
+    place, once.
+    """
 
     def resolve(self) -> Any:
         raise NotImplementedError
@@ -772,9 +678,8 @@ def resolve_deferred(args: tuple | list) -> None:
 class DeferredList(list, DeferredArgument):
     """A list that stays empty until :meth:`resolve` plans the save that fills it.
 
-    ``complete`` plans the save and fills this list (through :meth:`fill`). It runs once:
-    a failure is kept and raised again by every later call, since running the planning's
-    collectives again on one rank alone would leave it waiting for the others.
+    The planning runs once: a failure is kept and raised by every later call, since running its
+    collectives again on one rank alone would leave that rank waiting for the others.
     """
 
     def __init__(self, complete: Callable[[], None], what: str) -> None:

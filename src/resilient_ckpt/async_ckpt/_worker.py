@@ -1,40 +1,29 @@
 """The persistent background worker: its typed messages, its process hygiene, its main loop.
 
-This is the process side of :class:`._persistent.PersistentAsyncCaller`; the trainer side
-(start, handshake, reaping) lives there and imports the message types from here.
+The process side of :class:`._persistent.PersistentAsyncCaller`, whose module owns start-up,
+handshake and reaping (and why not ``spawn``).
 
-* **Typed messages over one connection.** Trainer and worker talk over one duplex
-  ``multiprocessing`` connection (a Unix socket pair). Every message is one of the frozen
-  dataclasses below, sent as ``(Kind, body)``; the receiver checks that the kind matches the
-  body's type, so a protocol mix-up fails loudly instead of being misread. An exception
-  raised in the worker travels back as a :class:`RemoteFailure` value (one that always
-  pickles) and the trainer raises it with the remote traceback as its cause. Shared-memory
-  file descriptors travel out of band right after :class:`AttachArena` (``SCM_RIGHTS`` on the
-  same socket), never inside a pickle.
-* **A fresh interpreter that runs this module, not the trainer's main module.** The
-  trainer starts ``python -c`` with a short bootstrap (:data:`BOOTSTRAP`) and one end of the
-  connection (see :mod:`._persistent` for why not ``spawn``). The bootstrap reads the
-  trainer's ``sys.path`` (plain strings: the library itself may be importable only through
-  it), imports this module and calls :func:`main`, which takes a :class:`Setup` (the
-  trainer's pid, rank, log level, priorities, ``argv`` and a description of its main
-  module, imported only by a request that needs it: see the section on the main module below).
-* **Requests run in order, on the main thread.** A
-  receiver thread reads messages (so the trainer's sends never block on a busy worker) and
-  hands requests to the main thread, which executes them one at a time: unstage the
-  arguments from the arena, run ``preload_fn`` (its result replaces ``async_fn_args[1]``, as
-  in NVRx), run ``async_fn``, reply with a :class:`Result` carrying timings or the failure.
-  While it runs, the request may send :class:`Report` values (see :mod:`._reports`): the
-  trainer can use them before the ``Result`` arrives.
-* **The trainer decides when the worker stops.** It exits on ``Shutdown`` (after the queued
-  requests), when the connection closes, or when its parent dies. SIGINT is ignored: a
-  Ctrl-C aimed at the trainer must not tear a write.
-* **A worker never outlives its trainer.** Two mechanisms, because each has a gap:
-  ``PR_SET_PDEATHSIG`` delivers SIGKILL the moment the parent dies (but is tied to the
-  parent *thread* that started the child), and a watchdog thread compares ``getppid()`` with
-  the pid recorded at start (catching the race where the parent died before the signal was
+* **Typed messages over one connection** (a Unix socket pair): each message is one of the
+  frozen dataclasses below, sent as ``(Kind, body)``; the receiver checks the kind against
+  the body's type, so a protocol mix-up fails loudly. A worker exception travels back as a
+  :class:`RemoteFailure` value (which always pickles) and is re-raised as the cause. Arena
+  file descriptors follow :class:`AttachArena` out of band (``SCM_RIGHTS``), never pickled.
+* **A fresh interpreter that runs this module, not the trainer's main module**: the trainer
+  runs ``python -c`` :data:`BOOTSTRAP`, which takes the trainer's ``sys.path``, imports this
+  module and calls :func:`main` with a :class:`Setup`. The main module is imported only by
+  a request that needs it (see the section on the main module below).
+* **Requests run in order, on the main thread.** A receiver thread reads messages (so the
+  trainer's sends never block) and the main thread runs requests one at a time: unstage,
+  ``preload_fn`` (its result replaces ``async_fn_args[1]``, as in NVRx), ``async_fn``, then a
+  :class:`Result`. A running request may send :class:`Report` values (:mod:`._reports`).
+* **The trainer decides when the worker stops**: on ``Shutdown`` (after queued requests),
+  connection close, or parent death. SIGINT is ignored: a Ctrl-C aimed at the trainer must
+  not tear a write.
+* **A worker never outlives its trainer**, by two mechanisms because each has a gap:
+  ``PR_SET_PDEATHSIG`` (tied to the parent *thread* that started the child) and a watchdog
+  comparing ``getppid()`` with the recorded pid (the parent may die before the signal is
   armed). The forked caller and the DCP write's child processes arm the same signal.
-* **A worker yields to the trainer** (:func:`set_qos`): it runs at a lower priority and
-  under ``SCHED_BATCH``, so its throughput is kept but it never preempts the trainer's save.
+* **A worker yields to the trainer** (:func:`set_qos`).
 
 Conversation::
 
@@ -146,11 +135,8 @@ def _unpack_slots(packed: bytes) -> tuple[Slot, ...]:
 
 
 class SlotTable(tuple[Slot, ...]):
-    """A request's slots, pickled as one packed bytes object (two int64 per slot).
-
-    Pickled as plain tuples, the slots are thousands of small objects to visit while the
-    trainer waits, made at the full staging and long since evicted from the CPU caches;
-    packed, they are one contiguous copy. A steady-state save sends the very table of its
+    """A request's slots, pickled as one packed bytes object (two int64 per slot), not thousands of
+    small tuples to visit while the trainer waits. A steady-state save resends the table of its
     full staging, so it is packed once. The worker gets a plain tuple back.
     """
 
@@ -222,9 +208,10 @@ _SEND_BUFFER = 4 << 20
 
 
 def receive_available(conn: Any, other: Callable[[Any], None]) -> None:
-    """Read, without blocking, every message that has arrived on ``conn`` (a channel or a
-    pipe): reports into the trainer's inbox (:mod:`._reports`), any other message to
-    ``other``. Raises ``EOFError``/``OSError`` once the connection is lost."""
+    """Read, without blocking, every message that has arrived on ``conn``: reports into the
+    trainer's inbox (:mod:`._reports`), any other message to ``other``. Raises
+    ``EOFError``/``OSError`` once the connection is lost.
+    """
     while conn.poll(0):
         message = conn.recv()
         if isinstance(message, Report):
@@ -234,8 +221,9 @@ def receive_available(conn: Any, other: Callable[[Any], None]) -> None:
 
 
 def widen_send_buffer(conn: Connection) -> None:
-    """Let ``conn`` queue a whole payload without waiting for its reader (the kernel caps
-    the size at ``net.core.wmem_max``); best effort."""
+    """Let ``conn`` queue a whole payload without waiting for its reader (capped by the kernel at
+    ``net.core.wmem_max``); best effort.
+    """
     try:
         sock = socket.socket(fileno=os.dup(conn.fileno()))
     except OSError:
@@ -317,12 +305,10 @@ def start_parent_watchdog(parent_pid: int, interval: float = 0.5) -> threading.T
 def set_qos(cpu_priority: int | None, io_priority: int | None) -> None:
     """Lower this process's CPU and I/O priority; never fatal.
 
-    ``cpu_priority`` (a nice value) also moves the process to ``SCHED_BATCH``, inherited by
-    the threads it starts afterwards. A worker is woken by every request the trainer sends;
-    under the default policy the woken worker may preempt the trainer on its own core while
-    the trainer is still inside its save call, which lengthens the stall on a machine with
-    fewer cores than processes. A batch process is never favoured at wake-up: it runs on an
-    idle core, or after the trainer yields. Its throughput is unchanged.
+    ``cpu_priority`` also moves the process to ``SCHED_BATCH``: under the default policy a
+    worker woken by a request may preempt the trainer on its core while the trainer is still in
+    its save call, lengthening the stall where cores are fewer than processes. A batch process
+    is never favoured at wake-up; its throughput is unchanged.
     """
     if cpu_priority is not None and 0 <= cpu_priority <= 19:
         _batch_scheduling()
@@ -419,8 +405,9 @@ _in_worker = False
 
 
 def in_worker() -> bool:
-    """Whether this process is a checkpoint worker. It starts no worker of its own: one
-    would mean the worker imported a main script that starts checkpointing when imported."""
+    """Whether this process is a checkpoint worker. It starts no worker of its own: one would mean
+    it imported a main script that starts checkpointing when imported.
+    """
     return _in_worker
 
 
@@ -456,9 +443,9 @@ def main(conn: Connection) -> None:
 
 
 def _apply(setup: Setup) -> None:
-    """What a spawned worker inherited from its trainer: argv, process name, daemon flag
-    and authentication key, the package's log level (and a handler, when nothing
-    configured one)."""
+    """What a spawned worker would have inherited: argv, process name, daemon flag, authentication
+    key, and the package's log level.
+    """
     sys.argv[:] = setup.argv
     process = multiprocessing.current_process()
     process.name = setup.name
@@ -534,8 +521,9 @@ _MAIN_NAMES = frozenset({"__main__", "__mp_main__"})
 
 @dataclass(frozen=True)
 class MainModule:
-    """Where the trainer's main module comes from: its import name (``python -m pkg.mod``),
-    or its file (``python script.py``), or neither (``python -c``, a notebook)."""
+    """The trainer's main module: its import name (``python -m pkg.mod``), its file
+    (``python script.py``), or neither (``python -c``, a notebook).
+    """
 
     name: str | None = None
     path: str | None = None
@@ -571,8 +559,9 @@ def set_main_description(main: MainModule) -> None:
 
 
 def find_in_main(qualname: str) -> Any:
-    """Worker side: ``__main__.<qualname>`` of the trainer, importing its main module on
-    first use; :class:`MainModuleError` naming it when that cannot work."""
+    """Worker side: the trainer's ``__main__.<qualname>``, importing its main module on first use;
+    :class:`MainModuleError` naming it when that cannot work.
+    """
     main = _described or MainModule()
     module = _import_once(main, qualname)
     obj: Any = module
@@ -648,7 +637,8 @@ def _run_main(main: MainModule) -> types.ModuleType:
 
 class MainAwareUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` that finds the trainer's ``__main__`` names through :func:`find_in_main`
-    (in a worker; elsewhere it is the plain unpickler)."""
+    (in a worker; elsewhere the plain unpickler).
+    """
 
     def find_class(self, module: str, name: str) -> Any:
         if module in _MAIN_NAMES and _described is not None:

@@ -1,48 +1,33 @@
-"""The DCP readers: ``CachedMetadataFileSystemReader`` reads ``.metadata`` once, and loads
-the data items of local files from a mapping of the file, copying each tensor once.
+"""The DCP readers: ``CachedMetadataFileSystemReader`` reads ``.metadata`` once, and loads the
+data items of local files from a mapping of the file, copying each tensor once.
 
-**The metadata, cached by the file's identity.** Loading a sharded checkpoint reads and
-unpickles ``.metadata`` on every rank, often several times (one reader per sub-state). NVRx
-caches it per directory path, which serves stale metadata when a directory is rewritten (a
-new save into the same path). Here the cache key is the path plus the identity of the
-metadata file (device, inode, size, modification time in ns), taken with ``fstat`` on the
-very file descriptor that is read, so the cached content always belongs to its key. A
-rewrite by rename (as every DCP writer commits) changes the inode, so the next read misses.
-One ``stat`` per read is the price. The cache is process-wide, bounded (least recently used
-entries are dropped) and thread-safe. Each reader gets its own shallow copy whose
-``storage_meta.load_id`` is its own, as the uncached reader would set it.
+**Metadata cached by the file's identity.** Loading reads ``.metadata`` on every rank, often
+once per sub-state. NVRx caches it per directory path, which serves stale metadata after a
+new save into the same path. Here the key is the path plus the file's device, inode, size
+and mtime, taken with ``fstat`` on the very descriptor that is read, so the content always
+belongs to its key; a commit by rename changes the inode, so the next read misses. The cache
+is process-wide, bounded (LRU) and thread-safe; each reader gets a shallow copy with its own
+``storage_meta.load_id``, as the uncached reader would set it.
 
-**The metadata is never run.** ``.metadata`` is a pickle, and torch's ``FileSystemReader``
-unpickles it freely: a checkpoint from elsewhere (a download, a shared bucket) could run
-code on every rank that reads it. This reader (cached or not) unpickles it with
-:mod:`resilient_ckpt._restricted_pickle`, which allows DCP's metadata classes and nothing
-else, and names the file in a one-line error when it is refused, empty, truncated or not
-metadata at all. The non-tensor values of the state are a question of the planner, not of
-the reader: torch's default planner unpickles them freely, :class:`WeightsOnlyLoadPlanner`
-with ``torch.load(weights_only=True)``.
+**Metadata is never run.** ``.metadata`` is a pickle that torch's ``FileSystemReader``
+unpickles freely, so a checkpoint from elsewhere could run code on every rank. This reader
+(cached or not) uses :mod:`resilient_ckpt._restricted_pickle`, which allows DCP's metadata
+classes only. The state's non-tensor values are the planner's business:
+:class:`WeightsOnlyLoadPlanner`.
 
-**Object stores.** An ``msc://<profile>/<path>`` checkpoint is read through the storage
-backend (:class:`~resilient_ckpt.storage.dcp_fs.BackendFileSystem`, with the backend's
-retries and parallel read-ahead of the data files); the metadata's identity is the object's
-size, ETag and modification time, taken before it is downloaded: a rewrite in between makes
-this read return the newer content and the next one miss, never a stale hit.
+**Object stores.** ``msc://<profile>/<path>`` is read through the storage backend
+(:class:`~resilient_ckpt.storage.dcp_fs.BackendFileSystem`: retries, parallel read-ahead).
+The metadata's identity (size, ETag, mtime) is taken before the download, so a rewrite in
+between yields the newer content and a later miss, never a stale hit.
 
-**Data items from a mapped file** (:func:`read_items`, also used by the tiered restore).
-torch's ``FileSystemReader.read_data`` reads every item through ``torch.load`` of a file
-slice: the archive's bytes are copied into a new storage (a fresh allocation, its pages
-faulted in), then copied again into the target tensor. When the whole file is mapped (a
-local file, a memory-tier file in ``/dev/shm``), the tensor's bytes can be *viewed* where
-they lie and copied once, straight into the target. An item written with ``torch.save`` is
-a zip archive: a pickle (``data.pkl``) that rebuilds the tensor from storages, and one
-stored (uncompressed) record per storage. The reader finds the record in the archive,
-unpickles ``data.pkl`` with an unpickler that knows only the handful of names a saved tensor
-needs (anything else falls back to ``torch.load`` with ``weights_only=True``, so nothing is
-executed that torch's own safe loader would refuse), and returns a tensor viewing the
-record. Our writer starts every tensor item on a 64-byte boundary when asked to (the tiered
-manager does; torch aligns records to 64 bytes inside the archive), so the view is aligned
-for every dtype; a record that is not aligned (torch's writer, or ours with byte-identical
-output) is copied once into aligned memory first. Items with stream transforms go through
-torch's reader.
+**Data items from a mapped file** (:func:`read_items`, also used by the tiered restore). torch's
+reader loads each item's slice with ``torch.load`` into a fresh storage, then copies it into the
+target. With the whole file mapped, the tensor's record in the item's zip archive is *viewed*
+where it lies and copied once into the target. ``data.pkl`` is unpickled with an unpickler that
+knows only the names a saved tensor needs; anything else falls back to
+``torch.load(weights_only=True)``, so nothing runs that torch's safe loader would refuse. A
+record not aligned for its dtype is copied once into aligned memory first; items with stream
+transforms go through torch's reader.
 """
 
 from __future__ import annotations
@@ -92,19 +77,16 @@ def _cache_dir(path: str | os.PathLike) -> str:
 
 
 class CachedMetadataFileSystemReader(ReadOnceReader, FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` is cached process-wide (see module doc),
+    """``FileSystemReader`` whose ``read_metadata`` is cached process-wide (see the module note),
     and whose loads read each stored byte once across ranks.
 
-    **Read once.** In a load over every rank of the job, an item (a byte range of a data
-    file; on an object store, a whole file) that several ranks need is read from storage by
-    one of them, chosen to spread the reading evenly, and carried to the others over the
-    process group: the library's gloo group, or NCCL when the destination tensors are on
-    CUDA and the default group is NCCL. Results, resharding included, are those of torch's
-    reader. A rank that fails to read makes every rank fail (``dcp.load`` raises torch's
-    ``CheckpointException``, its ``failures`` holding
-    :class:`~resilient_ckpt.errors.RankCheckpointReadError`), never wait. A load of one
-    process, or of a subgroup, reads as torch's reader does. The design note is
-    :mod:`resilient_ckpt.async_ckpt._read_once`.
+    **Read once.** In a load over every rank of the job, an item that several ranks need is read
+    by one of them and carried to the others over the process group (design note:
+    :mod:`resilient_ckpt.async_ckpt._read_once`). Results, resharding included, are those of
+    torch's reader. A rank that fails to read makes every rank fail (``dcp.load`` raises torch's
+    ``CheckpointException`` whose ``failures`` hold
+    :class:`~resilient_ckpt.errors.RankCheckpointReadError`), never wait. A load of one process,
+    or of a subgroup, reads as torch's reader does.
 
     Args:
         path: checkpoint directory, or ``msc://<profile>/<path>``.
@@ -192,10 +174,11 @@ class CachedMetadataFileSystemReader(ReadOnceReader, FileSystemReader):
             self._backend_fs.stop_read_ahead()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's ``.metadata`` (``rank=`` names a rank's own, as torch's reader
-        takes it), read with the restricted unpickler: a file naming any global but those
-        of DCP's metadata is refused, never run (``UnsafeCheckpointError``), a damaged one
-        is a ``CorruptCheckpointError`` naming it."""
+        """The checkpoint's ``.metadata`` (``rank=`` names a rank's own, as torch's reader takes
+        it), read with the restricted unpickler: a file naming any global outside DCP's metadata
+        raises ``UnsafeCheckpointError`` and is never run; a damaged one raises
+        ``CorruptCheckpointError``.
+        """
         rank = kwargs.get("rank")
         name = COMMIT_RECORD if rank is None else f"__{rank}{COMMIT_RECORD}"
         if self._cache_dir is None:
@@ -267,19 +250,16 @@ def clear_metadata_cache(path: str | os.PathLike | None = None) -> None:
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that loads a checkpoint's non-tensor values (the items DCP
-    stores with ``torch.save``: a step count, a config) with ``torch.load(weights_only=True)``.
+    """``DefaultLoadPlanner`` that loads a checkpoint's non-tensor values (a step count, a config)
+    with ``torch.load(weights_only=True)``.
 
-    torch's default planner loads them with ``weights_only=False``, so a value pickled by
-    whoever wrote the checkpoint runs its code on every rank that loads it. With this
-    planner a value naming a global that torch's ``weights_only`` does not allow (plain
-    containers, tensors, ``torch.Size``, dtypes, devices) nor the user marked safe
-    (``torch.serialization.add_safe_globals``, or inside ``safe_globals``) raises
-    :class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming the value and the global;
-    nothing is run. A damaged value (empty, cut short, not a ``torch.save`` file) is a
-    :class:`~resilient_ckpt.errors.CorruptCheckpointError` naming it. Tensors are loaded as
-    ever (DCP's readers load them with ``weights_only=True`` already). For a checkpoint of
-    unknown origin::
+    torch's default planner loads them with ``weights_only=False``, so a value pickled by whoever
+    wrote the checkpoint runs code on every rank that loads it. Here a value naming a global that
+    ``weights_only`` does not allow, nor the user marked safe
+    (``torch.serialization.add_safe_globals``), raises
+    :class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming the value and the global, and
+    nothing runs. A damaged value is a :class:`~resilient_ckpt.errors.CorruptCheckpointError`.
+    Tensors load as ever. For a checkpoint of unknown origin::
 
         dcp.load(
             state_dict,
@@ -335,9 +315,10 @@ class _Unsupported(Exception):
 
 
 def _entries(view: memoryview) -> dict[str, tuple[int, int]]:
-    """Each stored record of a zip archive: its name (less the archive's top folder) ->
-    (offset of its data, size). Raises ``_Unsupported`` for anything but stored records in
-    a zip32 archive without a comment (what ``torch.save`` writes below 4 GiB)."""
+    """Each stored record of a zip archive: name (less the top folder) -> (data offset, size).
+    Raises ``_Unsupported`` for anything but stored records of a zip32 archive, which is what
+    ``torch.save`` writes below 4 GiB.
+    """
     end = len(view) - _EOCD.size
     if end < 0:
         raise _Unsupported("too short for a zip archive")
@@ -398,11 +379,11 @@ class _StorageRef:
 
 
 class _TensorUnpickler(pickle.Unpickler):
-    """Unpickles ``data.pkl`` of a saved tensor into a :class:`_Record`; knows nothing else.
+    """Unpickles a saved tensor's ``data.pkl`` into a :class:`_Record`; knows nothing else.
 
-    What ``find_class`` returns lands in the unpickler's memo, so it must not refer back to
-    the unpickler: a cycle would keep the archive's memory (a file mapping) alive until the
-    cyclic garbage collector ran, pinning the file's pages in the page cache."""
+    What ``find_class`` returns lands in the memo, so it must not refer back to the unpickler:
+    the cycle would keep the file mapping, and its page-cache pages, alive until a GC pass.
+    """
 
     def __init__(self, data: bytes, records: Callable[[_StorageRef], torch.Tensor]) -> None:
         super().__init__(io.BytesIO(data))
@@ -436,8 +417,7 @@ def _rebuild(
     hooks: Any = None,
     metadata: Any = None,
 ) -> _Record:
-    """The rebuild function's arguments (see :data:`~.._torch_compat.REBUILD_TENSOR`) ->
-    where the tensor lies."""
+    """``REBUILD_TENSOR``'s arguments -> where the tensor lies."""
     if not isinstance(storage, _StorageRef) or hooks or metadata:
         raise _Unsupported("a tensor with hooks or metadata")
     record = _Record(records(storage), storage.dtype)
@@ -452,8 +432,9 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 
 
 def _locate(item: torch.Tensor) -> _Record | None:
-    """The record of the tensor ``torch.save`` wrote in ``item`` (a uint8 tensor holding the
-    whole archive), or None when the archive is not one this module reads."""
+    """The record of the tensor saved in ``item`` (the whole archive as uint8), or None when the
+    archive is not one this module reads.
+    """
     view = byte_view(item)
     try:
         entries = _entries(view)
@@ -476,9 +457,9 @@ def _locate(item: torch.Tensor) -> _Record | None:
 
 
 def item_tensor(item: torch.Tensor) -> Any:
-    """What ``torch.save`` wrote in ``item``: a tensor viewing ``item``'s memory when the
-    archive is a plain saved tensor with an aligned record, otherwise ``torch.load``'s
-    (``weights_only``) result."""
+    """What ``torch.save`` wrote in ``item``: a view of its memory for a plain saved tensor, else
+    ``torch.load(weights_only=True)``'s result.
+    """
     record = _locate(item)
     if record is not None:
         return record.tensor()
@@ -493,10 +474,10 @@ def read_items(
     file_bytes: Callable[[str], torch.Tensor],
     on_read: Callable[[int], None] | None = None,
 ) -> Future[None]:
-    """``StorageReader.read_data`` over whole files in memory: ``file_bytes(relative_path)``
-    returns a file's bytes as a uint8 CPU tensor (mapped or read, verified by the caller).
-    ``on_read`` is told the length of each item taken from a file (what a mapped file reads).
-    Items with stream transforms are not handled here (the caller uses torch's reader)."""
+    """``StorageReader.read_data`` over whole files in memory. ``file_bytes(relative_path)`` gives
+    a file's bytes as a uint8 CPU tensor; ``on_read`` is told each item's length. Items with
+    stream transforms are the caller's (torch's reader).
+    """
     per_file: dict[str, list[ReadItem]] = {}
     for read_item in plan.items:
         per_file.setdefault(storage_data[read_item.storage_index].relative_path, []).append(
@@ -515,8 +496,7 @@ def read_items(
 
 
 def item_piece(data: torch.Tensor, info: Any, relative_path: str) -> torch.Tensor:
-    """The stored bytes of one item (``info``: where DCP's metadata says it lies) within
-    ``data``, the bytes of its file."""
+    """The stored bytes of one item within ``data``, its file's bytes."""
     end = info.offset + info.length
     if end > data.numel():
         raise CorruptCheckpointError(
@@ -534,9 +514,9 @@ def load_item(
     where: str,
     target: torch.Tensor | None = None,
 ) -> None:
-    """Hand the stored bytes of one item (``piece``, a uint8 CPU tensor) to the planner: a
-    bytes item as a stream, a tensor copied once into its target (``target`` when already
-    resolved, else ``planner.resolve_tensor``). ``where`` names the source in errors."""
+    """Hand one item's stored bytes to the planner: a bytes item as a stream, a tensor copied once
+    into ``target`` (or ``planner.resolve_tensor``'s). ``where`` names the source in errors.
+    """
     if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, io.BytesIO(byte_view(piece).tobytes()))
         return
@@ -573,8 +553,7 @@ def _copy_item(piece: torch.Tensor, req: ReadItem, target: torch.Tensor, where: 
 
 
 def _narrow(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    """The chunk of ``tensor`` a read request names, as torch's readers narrow it: a view,
-    narrowed only along the dimensions the chunk does not span whole."""
+    """The chunk a read request names, narrowed as torch's readers narrow it (a view)."""
     for dim, (offset, size) in enumerate(zip(offsets, sizes, strict=False)):
         if size < tensor.size(dim):
             tensor = tensor.narrow(dim, offset, size)
@@ -582,10 +561,10 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) 
 
 
 def map_file(path: str) -> torch.Tensor:
-    """The bytes of a local file as a uint8 tensor over a private mapping (read into memory
-    where the file cannot be mapped). Pages are read when an item touches them, so a load
-    that needs part of a file (resharding) reads only that part. Committed checkpoint files
-    are never rewritten in place, so the mapping keeps the bytes it was opened on."""
+    """A local file's bytes as a uint8 tensor over a private mapping (read into memory where it
+    cannot be mapped). Pages are read on touch, so a resharding load reads only what it needs;
+    committed files are never rewritten in place, so the mapping keeps its bytes.
+    """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:

@@ -157,11 +157,10 @@ class AsyncCallsQueue:
     def warmup(self, state_dict: Any = None, *, nbytes: int | None = None) -> None:
         """Make the first save as cheap as a steady one (persistent queues; else a no-op).
 
-        Starts the worker and the copy threads, allocates, pre-faults and hands to the
-        worker a staging arena sized for ``state_dict``'s tensors (or ``nbytes``), and
-        primes the staging cache with their layout: a first request meeting the same
-        tensors in the same order is staged by the steady-state path. Pass the object your
-        saves will stage (e.g. the state dict), on every rank.
+        Starts the worker and the copy threads, hands the worker a pre-faulted staging arena sized
+        for ``state_dict``'s tensors (or ``nbytes``), and primes the staging cache with their
+        layout, so a first request meeting the same tensors in the same order takes the
+        steady-state path. Pass the object your saves will stage, on every rank.
         """
         caller = self._get_async_caller()
         if isinstance(caller, PersistentAsyncCaller):
@@ -172,12 +171,10 @@ class AsyncCallsQueue:
     ) -> int:
         """Snapshot and start ``async_request``; returns its call index. All ranks call this.
 
-        ``overlap_staging=True`` (persistent queues) returns before the tensors are copied:
-        the staging (pickling the request, the copy; CUDA tensors on a side stream ordered
-        after the call) runs on a background thread while training goes on, and
-        :meth:`wait_for_snapshot` must be called before anything modifies the request's
-        tensors or objects (e.g. before ``optimizer.step()``). Any later call on this queue
-        waits for it too.
+        ``overlap_staging=True`` (persistent queues) returns before the tensors are copied: the
+        staging runs on a background thread while training goes on, and :meth:`wait_for_snapshot`
+        must be called before anything modifies the request's tensors or objects (e.g. before
+        ``optimizer.step()``). Any later call on this queue waits for it too.
         """
         request = validate_request(async_request)
         caller = self._get_async_caller()
@@ -296,10 +293,8 @@ class AsyncCallsQueue:
         return dropped
 
     def _abandon(self) -> None:
-        """Interpreter exit / garbage collection: no collectives, no finalize functions.
-
-        The worker gets the shutdown deadline to finish the writes it has queued, then is
-        stopped; nothing is committed by finalize functions.
+        """Interpreter exit or garbage collection: no collectives, no finalize functions; the worker
+        gets the shutdown deadline to finish its queued writes, then is stopped.
         """
         self.async_calls.clear()
         if self.persistent_caller is not None:

@@ -2,57 +2,36 @@
 
 Call protocol (every rank; "trainer" is the training process):
 
-0. The constructor checks the path (not a file; the directory, or the ancestor it will be
-   created in, is writable), so a bad path fails on the spot, outside any collective.
-1. ``set_up_storage_writer`` (trainer, from planning): creates the directory; on the
-   coordinator, removes a previous commit record (``.metadata``) so the directory reads as
-   "no checkpoint" while it is rewritten.
+0. The constructor checks options and the path, so a bad one fails on that rank at once,
+   outside any collective where the other ranks would wait.
+1. ``set_up_storage_writer`` (trainer, planning): creates the directory; the coordinator
+   removes a previous commit record (``.metadata``), so the directory reads as "no
+   checkpoint" while it is rewritten.
 2. ``prepare_local_plan`` / ``prepare_global_plan`` (trainer, planning): as torch's writer.
-3. ``prepare_write_data(plan, planner)`` (trainer): resolves every item of the final plan to
-   a tensor or a byte buffer and groups them into write buckets, one per data file, balanced
-   by bytes over ``thread_count`` writer threads. Nothing is copied here (views whose storage
-   is larger than their bytes excepted); the snapshot is taken when the request is scheduled.
+3. ``prepare_write_data(plan, planner)`` (trainer): resolves every item of the final plan and
+   groups them into write buckets, one per data file, balanced over ``thread_count``
+   threads. Nothing is copied: the snapshot is taken when the request is scheduled.
 4. ``get_save_function_and_args()`` -> ``(save_fn, preload_fn, args)`` for
    ``AsyncRequest(save_fn, args, [finalize], preload_fn=preload_fn)``; ``args[1]`` is the
    bucket list, which ``preload_fn`` replaces by its host copy. ``save_fn`` runs in the
-   background process (see :mod:`._dcp_write`): it writes ``__<rank>_<k>.distcp`` files and
-   sends their report (files, sizes, CRC32s, ``WriteResult`` lists, or the failure) back
-   over the background process's channel to the trainer (:mod:`._reports`); nothing else
-   is written into the checkpoint.
-5. ``retrieve_write_results()`` (trainer, finalize, once the request is done): this rank's
-   ``WriteResult`` list, from that report; raises
-   :class:`~resilient_ckpt.errors.CheckpointWriteError` when the write failed or did not
-   report.
+   background process (:mod:`._dcp_write`), writes the ``__<rank>_<k>.distcp`` files and
+   sends their report (sizes, CRC32s, ``WriteResult`` lists, or the failure) back over the
+   worker's channel (:mod:`._reports`); nothing else is written into the checkpoint.
+5. ``retrieve_write_results()`` (trainer, finalize): this rank's ``WriteResult`` list from
+   that report; raises :class:`~resilient_ckpt.errors.CheckpointWriteError` when the write
+   failed, did not write every planned file, or did not report.
 6. ``finish(metadata, results)`` (coordinator, finalize, after all ranks succeeded): writes
-   the commit record ``.metadata`` last, atomically (temporary name, fsync, rename, directory
-   fsync), including a table of every data file's size and CRC32 that ``dcp.load`` ignores and
-   :func:`resilient_ckpt.async_ckpt.verify.verify_checkpoint` checks.
+   ``.metadata`` last and atomically (:class:`~resilient_ckpt.storage.commit.RecordCommit`),
+   with a table of every data file's size and CRC32 (:data:`FILE_TABLE_ATTR`) that
+   ``dcp.load`` ignores and :func:`resilient_ckpt.async_ckpt.verify.verify_checkpoint` checks.
 
 A writer holds the state of one save; create one per checkpoint, as with NVRx. All I/O goes
-through the storage backend chosen by the path (``msc://`` or ``use_msc``), so object stores
-plug in without changes here.
+through the storage backend the path selects (``msc://`` or ``use_msc``).
 
-What the writer decides besides torch's protocol:
-
-* **Checks when it is made** (step 0): a bad option or an unwritable directory raises on
-  the rank that has it, with the parameter named, instead of failing later inside planning
-  (where the other ranks would wait in a collective) or in the background write. The
-  directory check creates and removes a file (the one reliable test: root ignores
-  permission bits) in the checkpoint directory or the ancestor it will be created in, once
-  per directory and process: a job makes a writer per save, in a new directory under the
-  same parent, and each probe is metadata operations on a parallel file system from every
-  rank at once. Write access lost later fails that save's background write, which is
-  reported on every rank. Local paths only: object stores have no directories to probe;
-  their first upload reports a bad profile or bucket.
-* **Results are checked, then committed with a file table.** The report the background
-  write sent becomes this rank's file table, or a ``CheckpointWriteError`` naming the rank
-  when the write failed or did not write every planned file. On the coordinator the
-  metadata is filled in as torch's writer does, plus every data file's size and CRC32 under
-  :data:`FILE_TABLE_ATTR`, and written as the commit record
-  (:class:`~resilient_ckpt.storage.commit.RecordCommit`).
-
-Behind the class: :mod:`._dcp_buckets` (items into per-file buckets) and :mod:`._dcp_write`
-(the background write).
+The directory check creates and removes a file (the one reliable test: root ignores
+permission bits), once per directory and process: jobs make a writer per save under the same
+parent, and each probe is metadata operations on a parallel file system from every rank.
+Object stores have no directories; their first upload reports a bad profile or bucket.
 """
 
 from __future__ import annotations
@@ -112,11 +91,10 @@ _results_queue: Any = None
 
 
 def _wrap_exception_for_gather(exc: BaseException) -> Any:
-    """This rank's write failure as the ``(exception, stack summary)`` pair that the
-    finalize gathers to the coordinator, safe to pickle (see
-    :func:`resilient_ckpt._rank_errors.wrap_for_gather`). NVRx's names: the pair comes from
-    this module's ``_wrap_exception`` (torch's), looked up at each call, so code that
-    replaces it here (NVRx's own tests do) changes what the finalize gathers."""
+    """This rank's write failure as the picklable ``(exception, stack summary)`` pair the finalize
+    gathers (:func:`resilient_ckpt._rank_errors.wrap_for_gather`). ``_wrap_exception`` is looked
+    up here at each call, as in NVRx, whose tests replace it.
+    """
     return wrap_for_gather(exc, _wrap_exception)
 
 
@@ -194,9 +172,7 @@ _probed_lock = threading.Lock()
 
 
 def _probe_writable(directory: str) -> None:
-    """``probe_writable`` on ``directory`` (the checkpoint directory or the ancestor it
-    will be created in), when the writer is made, so a bad path fails there, before any
-    collective; once per directory and process (see ``_PROBED``)."""
+    """``probe_writable`` on ``directory``, once per directory and process."""
     with _probed_lock:
         if directory in _PROBED:
             _PROBED.move_to_end(directory)
@@ -263,7 +239,8 @@ def _dcp_version() -> str | None:
 
 
 class FileSystemWriterAsync(FileSystemWriter):
-    """DCP ``FileSystemWriter`` that writes in the background; see the module docstring.
+    """DCP ``FileSystemWriter`` that writes in the background; the call protocol is in the module
+    note.
 
     Args:
         path: checkpoint directory (or ``msc://profile/path``).
@@ -274,9 +251,8 @@ class FileSystemWriterAsync(FileSystemWriter):
             worker instead of threads (a daemon worker cannot have children: use
             ``AsyncCallsQueue(is_daemon=False)``; otherwise the save fails, naming this).
         use_cached_data_structure, use_cpu_shm_for_gpu_tensors: NVRx's staging switches,
-            accepted for compatibility. Our staging already does what they ask for every
-            save: tensors (CUDA ones included) are copied by the trainer into host shared
-            memory that is allocated once and reused while the structure is unchanged.
+            accepted for compatibility; our staging always copies tensors (CUDA ones included)
+            into reused host shared memory.
         open_file: the function that opens each data file for writing (called as
             ``open_file(path, "wb")``; default: the built-in ``open``). It travels to the
             background worker, so it must be picklable. Local paths only.
@@ -342,8 +318,9 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     @property
     def has_data_to_write(self) -> bool:
-        """Whether this rank's prepared save writes any file (NVRx name); True for a save
-        whose planning is deferred, which always runs its save function."""
+        """Whether this rank's prepared save writes any file (NVRx name); always True for a deferred
+        save, which runs its save function.
+        """
         return self._deferred is not None or bool(self._expected_files)
 
     @classmethod
@@ -427,9 +404,9 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.results_queue = None
 
     def defer_write_data(self, complete: Any) -> None:
-        """Prepare a save whose plan is made when its request is staged (see
-        :mod:`._staging`): the payload is a ``DeferredList`` of buckets that ``complete``
-        (planning, which ends in :meth:`prepare_write_data`) fills."""
+        """Prepare a save planned when its request is staged (:mod:`._staging`): the payload is a
+        ``DeferredList`` that ``complete`` fills through :meth:`prepare_write_data`.
+        """
         self._job = self._new_job()
         self._deferred = DeferredList(complete, f"the DCP save to {self.checkpoint_dir!r}")
         self.write_buckets = self._deferred
@@ -453,14 +430,12 @@ class FileSystemWriterAsync(FileSystemWriter):
         )
 
     def get_save_function_and_args(self) -> tuple[Any, Any, list]:
-        """``(save_fn, preload_fn, args)``, or ``(None, None, [])`` when this rank writes
-        nothing. ``preload_fn()`` returns the buckets with tensors on the host; its result
-        replaces ``args[1]``.
+        """``(save_fn, preload_fn, args)``, or ``(None, None, [])`` when this rank writes nothing.
+        ``preload_fn()`` returns the buckets with tensors on the host, to replace ``args[1]``.
 
-        The write payload (the buckets, which reference the trainer's tensors) is handed
-        over: the writer keeps only the file names it needs to check the results, so once
-        the request is staged nothing here keeps training memory alive. A second call for
-        the same prepared save raises; ``prepare_write_data`` prepares the next one.
+        The payload (which references the trainer's tensors) is handed over, not kept, so once the
+        request is staged the writer holds no training memory. A second call for the same prepared
+        save raises ``FrozenRequestError``.
         """
         if self._job is None or (self._deferred is None and not self._expected_files):
             return None, None, []
@@ -479,12 +454,10 @@ class FileSystemWriterAsync(FileSystemWriter):
     def preload_tensors(
         write_buckets: list[WriteBucket], non_blocking: bool = True
     ) -> list[WriteBucket]:
-        """The buckets with every tensor on the host, none aliasing memory that another
-        process can change: device tensors are copied; CPU tensors in shared memory
-        (``share_memory_()``, as multiprocessing queues leave them) are cloned, since the
-        trainer may still write to them (a fork shares such pages instead of copying them on
-        write); private CPU tensors, our staged snapshots included, are passed as they are.
-        A deferred save's buckets are planned first.
+        """The buckets with every tensor on the host and none aliasing memory another process can
+        change: device tensors are copied, and CPU tensors in shared memory (``share_memory_()``)
+        are cloned, since the trainer may still write them; private CPU tensors pass as they are. A
+        deferred save's buckets are planned first.
         """
         return host_buckets(resolved(write_buckets), non_blocking)
 
@@ -550,16 +523,17 @@ class FileSystemWriterAsync(FileSystemWriter):
     def publish_metadata(
         self, metadata: Metadata, file_checksums: dict[str, tuple[int, int]] | None = None
     ) -> None:
-        """Write ``metadata`` as the commit record, atomically, with the data files'
-        checksum table (coordinator only; ``finish`` fills it in first, a finalize that
-        reuses prepared metadata publishes that as it is)."""
+        """Write ``metadata`` atomically as the commit record, with the data files' checksum table
+        (coordinator only).
+        """
         _attach_file_table(metadata, file_checksums)
         self._commit().commit(lambda f: pickle.dump(metadata, f))
         logger.info("committed checkpoint %s", self.checkpoint_dir)
 
     def read_metadata(self) -> Metadata:
-        """The commit record of this writer's checkpoint, as written (restricted unpickling:
-        a record naming a global DCP's metadata never holds is refused, never run)."""
+        """This checkpoint's commit record, unpickled restrictedly (a foreign global is refused,
+        never run).
+        """
         path = self._commit().record_path
         with self._backend.open_read(path) as f:
             return _restricted_pickle.load(f, path=path, expect=Metadata)  # type: ignore[no-any-return]

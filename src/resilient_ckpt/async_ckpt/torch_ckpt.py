@@ -1,14 +1,12 @@
 """``TorchAsyncCheckpoint``: ``torch.save`` in the background, committed atomically.
 
 ``async_save(state_dict, f, ...)`` takes the arguments of ``torch.save``. The state is
-snapshotted before the call returns (copied into the staging arena by the persistent
-queue; by fork-time copy-on-write with the fork queue, CUDA tensors being moved to the host
-first). The worker writes to a temporary file, fsyncs it, renames it over ``f`` and fsyncs
-the directory, so ``f`` is always either the previous complete file or the new one.
-
-An ``msc://<profile>/<key>`` target is written through the object-store backend instead:
-the serialised bytes are uploaded as one object (retried under the retry policy), which
-appears whole when the upload completes, so the same either-or holds without a rename.
+snapshotted before the call returns (into the staging arena with the persistent queue; by
+the fork's copy-on-write with the fork queue, CUDA tensors moved to the host first). The
+worker writes a temporary file, fsyncs it, renames it over ``f`` and fsyncs the directory,
+so ``f`` is always either the previous complete file or the new one. An
+``msc://<profile>/<key>`` target is uploaded as one object, which appears whole when the
+upload completes: the same either-or without a rename.
 """
 
 from __future__ import annotations
@@ -101,9 +99,9 @@ class TorchAsyncCheckpoint:
 
     def save(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
         """Synchronous ``torch.save(state_dict, *args, **kwargs)`` (NVRx: used next to
-        :meth:`async_save`). A path target is written through a temporary file and an
-        atomic rename (fsynced unless ``sync_files=False``), an ``msc://`` target as one
-        object; a file object is handed to ``torch.save`` as it is."""
+        :meth:`async_save`), committed as :meth:`async_save` commits (fsynced unless
+        ``sync_files=False``); a file object is handed to ``torch.save`` as it is.
+        """
         if args:
             f, rest = args[0], args[1:]
         elif "f" in kwargs:
@@ -120,14 +118,15 @@ class TorchAsyncCheckpoint:
             save_atomically(state_dict, path, *rest, sync=self.sync_files, **kwargs)
 
     def warmup(self, state_dict: Any) -> None:
-        """Start the worker and size a staging arena for ``state_dict`` ahead of the first
-        save, so that save costs what a steady one does (see ``AsyncCallsQueue.warmup``)."""
+        """Start the worker and size a staging arena for ``state_dict`` ahead of the first save (see
+        ``AsyncCallsQueue.warmup``).
+        """
         self._queue.warmup(self._staged_form(state_dict))
 
     def _staged_form(self, state_dict: Any) -> Any:
-        """What the persistent queue stages: dicts of tensors as one batch each (see
-        ``TensorDict``), decided when staging pickles it; the worker unpickles the same
-        state. A forked child pickles nothing, so the fork caller gets ``state_dict``."""
+        """What the persistent queue stages: dicts of tensors batched (``TensorDict``); the fork
+        caller pickles nothing, so it gets ``state_dict``.
+        """
         return BatchedWhenPickled(state_dict) if self.persistent_queue else state_dict
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
@@ -140,10 +139,9 @@ class TorchAsyncCheckpoint:
     ) -> int:
         """Start saving ``state_dict`` like ``torch.save(state_dict, *args, **kwargs)``.
 
-        With ``overlap_staging=True`` it returns before the tensors are copied (training
-        may run its next forward/backward meanwhile); call :meth:`wait_for_snapshot` before
-        the tensors change. (With ``persistent_queue=False`` the forked child snapshots the
-        state by copy-on-write at the fork, so the flag changes nothing there.)
+        With ``overlap_staging=True`` it returns before the tensors are copied; call
+        :meth:`wait_for_snapshot` before they change. With ``persistent_queue=False`` the fork is
+        the snapshot, so the flag changes nothing there.
         """
         if args:
             f, rest = args[0], args[1:]

@@ -1,14 +1,11 @@
 """Verify a committed DCP checkpoint: every data file present, of the right size, intact.
 
-The commit record ``.metadata`` written by :class:`FileSystemWriterAsync` carries a table of
-every data file's size and CRC32 (an extra attribute that ``dcp.load`` ignores), recorded
-while the files were written. :func:`verify_checkpoint` re-reads every file referenced by the
-metadata and compares. For checkpoints written by other DCP writers (no table) it checks
-what the metadata implies: each file exists and is long enough for its last item. The
-metadata is read with the restricted unpickler (:mod:`resilient_ckpt._restricted_pickle`):
-verifying a checkpoint from elsewhere never runs its code.
-
-All reads go through the storage backend, so this works wherever the writer can write.
+The commit record written by :class:`FileSystemWriterAsync` carries every data file's size
+and CRC32, recorded while the files were written; :func:`verify_checkpoint` re-reads each
+file and compares. For other DCP writers' checkpoints (no table) it checks what the metadata
+implies: each file exists and is long enough for its last item. The metadata is read with
+the restricted unpickler (:mod:`resilient_ckpt._restricted_pickle`), so verifying a
+checkpoint from elsewhere never runs its code. All reads go through the storage backend.
 """
 
 from __future__ import annotations
@@ -100,10 +97,9 @@ def verify_checkpoint(
     problem (missing commit record or file, wrong size, checksum mismatch).
 
     ``checksums=False`` checks presence and sizes only (no data is read). ``progress`` is
-    called with the byte count of every chunk checksummed. The commit record is read with
-    the restricted unpickler (:mod:`resilient_ckpt._restricted_pickle`): one naming any
-    other global is refused, unless ``trusted=True`` (the file's origin is trusted: it may
-    run code).
+    called with the byte count of every chunk checksummed. ``trusted=True`` lifts the
+    restricted unpickling of the commit record (only for a checkpoint whose origin you trust:
+    it may run code).
     """
     backend = get_backend(path, use_msc=use_msc)
     metadata = _load_metadata(backend, path, trusted)

@@ -1,12 +1,12 @@
 """The documented warm-up of the async DCP flow: the first save then costs a steady one.
 
 A first save pays, besides its copy, for starting the worker, creating and pre-faulting the
-staging arena, and the full (collective) planning of the state. :func:`warmup_async_save`
-does all of that ahead of time, on every rank, without writing a checkpoint: it plans the
-state into a throwaway writer (filling the plan cache and the per-plan write-item cache,
-see :mod:`._dcp_buckets`), then warms the queue for the bytes that plan stages. The next
-``save_state_dict_async_plan`` of a state with the same structure, with the same
-``metadata_cache`` (or the process-wide one) and ``enable_cache=True``, reuses the plan::
+staging arena, and the full collective planning. :func:`warmup_async_save` does all of it
+ahead of time on every rank, without writing a checkpoint: it plans the state into a
+throwaway writer (filling the plan cache and :mod:`._dcp_buckets`' per-plan cache), then
+warms the queue for the bytes that plan stages. The next ``save_state_dict_async_plan`` of
+the same structure, with the same ``metadata_cache`` and ``enable_cache=True``, reuses the
+plan::
 
     queue = AsyncCallsQueue()
     warmup_async_save(state_dict, queue)           # collective, once
@@ -14,8 +14,8 @@ see :mod:`._dcp_buckets`), then warms the queue for the bytes that plan stages. 
     writer = FileSystemWriterAsync(path)
     plan_ret = save_state_dict_async_plan(state_dict, writer, enable_cache=True)
 
-For ``TorchAsyncCheckpoint`` and local checkpoints, ``warmup(state_dict)`` of the
-checkpoint object or queue does the equivalent (they have no collective plan).
+``TorchAsyncCheckpoint`` and local checkpoints have no collective plan: their
+``warmup(state_dict)`` does the equivalent.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Turn a local-checkpoint step that may fail on some ranks into one outcome on every rank.
+"""Run a local-checkpoint step that may fail on some ranks, with one outcome on every rank.
 
-Every local-checkpoint step that precedes a collective (preparing a save, writing, reading
-the copies a rank must send) runs through :func:`agree`: the step runs here and its outcome
-goes through :func:`resilient_ckpt._dist.agree`. If any rank failed, *every* rank raises
-the same :class:`~resilient_ckpt.errors.RankFailureError` naming the failed ranks and their
-messages. Without this, a rank that fails alone leaves its peers waiting in the next
-collective until the collective deadline, and they would report a timeout, not the cause.
-
-The class raised keeps the failing rank's kind (``RankConfigurationError`` is still a
-``ConfigurationError``, hence a ``ValueError``, on every rank; a raw ``OSError`` becomes a
-``RankStorageError``); the failing rank chains its original exception.
+Every step that precedes a collective (preparing a save, writing, reading the copies a rank
+must send) runs here and agrees its outcome through :func:`resilient_ckpt._dist.agree`, so a
+rank that fails alone makes every rank raise the cause instead of leaving its peers waiting
+in the next collective until the deadline.
 """
 
 from __future__ import annotations
@@ -48,9 +42,8 @@ def agree_gather(what: str, step: Callable[[], tuple[T, Any]]) -> tuple[T, list[
 def agree_number(
     what: str, step: Callable[[], T], number: int, group: Any = None
 ) -> tuple[T, list[int]]:
-    """Like :func:`agree_gather` for an ``int`` to share: it travels in the one tensor
-    all-gather that carries the failures (``agree_gather`` costs an object all-gather, two
-    collectives and a pickle per rank). Collective, on ``group`` (default: the library
+    """:func:`agree_gather` of one ``int``, carried in the tensor all-gather of the failure
+    flags (no object all-gather, no pickle). Collective on ``group`` (default: the library
     group; a deferred save's staging passes the background group)."""
     value, error = _attempt(step)
     shared = number if error is None and isinstance(number, int) else -1

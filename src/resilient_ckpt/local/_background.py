@@ -1,29 +1,22 @@
 """Replicated async saves: exchange and writes in a trainer thread, not in the worker.
 
-Replication is a collective on the clique's process group, which exists only in the trainer
-(the background worker is a separate process with no process group). Doing the exchange
-inside ``save()`` makes the trainer wait for the network, and handing the received replicas
-to the worker makes the queue copy them all into its staging memory: the stall of a
-replicated async save was 6-7 times that of an unreplicated one in our benchmark.
+Replication is a collective on the clique's group, which exists only in the trainer (the
+worker has no process group). Exchanging inside ``save()`` makes the trainer wait for the
+network; handing the received replicas to the worker makes the queue stage them all.
 
-Decision: ``save(..., is_async=True)`` with a replication strategy whose clique group uses
-gloo serializes this rank's shard into one private buffer (the snapshot: one copy, the same
-cost as the queue's staging copy of an unreplicated save) and returns. A daemon thread of
-the trainer, one per manager so saves stay in order, then exchanges the buffers with the
-clique and writes every copy (dirty data + manifest). That work is GIL-free (gloo waits,
-write syscalls, ``zlib.crc32``), so it does not slow the training loop's Python.
+Decision: with a gloo clique group, ``save(..., is_async=True)`` serializes this rank's shard
+into one reused buffer (the snapshot: one copy, like the queue's staging of an unreplicated
+save) and returns; a daemon thread per manager (so saves stay in order) exchanges the buffers
+and writes every copy. That work is GIL-free (gloo waits, write syscalls, CRC), so it does
+not slow the training loop. The returned :class:`~resilient_ckpt.async_ckpt.core.AsyncRequest`
+still goes through the caller's queue: its ``async_fn`` (:func:`wait_for_status`) waits for
+the thread's *status file* (``ok`` or the error, written atomically), so the queue reports
+done or failed on every rank as for any request, and the finalize commits as usual.
 
-The returned :class:`~resilient_ckpt.async_ckpt.core.AsyncRequest` still goes through the
-caller's queue, persistent or fork: its ``async_fn`` (:func:`wait_for_status`) waits, in
-the worker or the forked child, for the thread's *status file* (``ok`` or the error text,
-written atomically when the thread ends), so the queue reports "done" or "failed" on every
-rank exactly as for any request, and the finalize function commits as usual.
-
-Not used with NCCL groups: two threads driving NCCL communicators at once can deadlock (the
-user's training collectives and ours may be ordered differently on different ranks), so
-there the exchange stays in ``save()``. Pass ``backend="gloo"`` to
-``CliqueReplicationStrategy.from_replication_params`` to replicate through host memory in
-the background.
+Not with NCCL: two threads driving NCCL communicators can deadlock (the user's collectives
+and ours may be ordered differently on different ranks), so there the exchange stays in
+``save()``; ``CliqueReplicationStrategy.from_replication_params(..., backend="gloo")``
+replicates through host memory in the background.
 """
 
 from __future__ import annotations
@@ -106,12 +99,9 @@ class BackgroundSaves:
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int, timeout: float) -> torch.Tensor:
-        """A serialization buffer of ``nbytes`` (a view of a reused, already touched one).
-
-        Reuse matters: writing into fresh memory costs a page fault per 4 KiB, which made
-        the snapshot of a replicated save much slower than the queue's warm staging copy.
-        At most ``max_buffers`` exist; when all are in use, wait for the running saves.
-        """
+        """A serialization buffer of ``nbytes``: a view of a reused, already touched one, so
+        the snapshot does not page-fault fresh memory. At most ``max_buffers`` exist; when all
+        are in use, wait for the running saves."""
         while True:
             with self._lock:
                 fitting = [b for b in self._free if b.numel() >= nbytes]

@@ -1,14 +1,11 @@
 """Deleting old checkpoint files off the critical path.
 
-Unlinking a large file is not free: on a file system mounted with ``discard`` (common for
-SSDs and virtual disks) the kernel trims the freed blocks synchronously, about a second per
-GB on the machine these numbers come from. Retention deletes a whole iteration after every
-save, so doing it inline would add that to every save.
-
-Decision: a file to delete is first *renamed* to ``.deleting-<name>`` in its directory
-(atomic and instant; readers ignore hidden names, so no reader ever sees a half-deleted
-iteration) and then unlinked by one daemon thread per process. If the process dies first,
-the hidden files stay and the next scan of the directory hands them to the thread again.
+Unlinking a large file is not free (a file system mounted with ``discard``, common for SSDs
+and virtual disks, trims the freed blocks synchronously), and retention deletes a whole
+iteration after every save. So a file is first *renamed* to ``.deleting-<name>`` (atomic;
+readers ignore hidden names, so none sees a half-deleted iteration), then unlinked by one
+daemon thread per process. Hidden files left by a dead process are handed to the thread by
+the next scan of the directory.
 """
 
 from __future__ import annotations

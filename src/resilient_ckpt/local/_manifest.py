@@ -1,20 +1,17 @@
 """File names and manifests of local checkpoint copies.
 
-Each rank directory ``<root>/<session_id>/<rank>/`` holds, per iteration, one *copy* per
-shard it stores (its own shard and, with replication, those of its clique peers). A copy
-is two files:
+A rank directory ``<root>/<session_id>/<rank>/`` holds, per iteration, one *copy* per shard
+it stores (its own and, replicated, its clique peers'). A copy is two files:
 
-* ``iter_<iteration:07d>_<owner>_local.pt``: the shard bytes (see :mod:`._format`). While
-  being written it is called ``iter_..._local.dirty.pt`` (NVRx's name); it gets its final
-  name only when the save is committed on all ranks.
+* ``iter_<iteration:07d>_<owner>_local.pt``: the shard bytes, named ``...local.dirty.pt``
+  (NVRx's name) until the save is committed on all ranks;
 * ``iter_<iteration:07d>_<owner>_local.manifest.json``: size, CRC-32, world size and
-  replication parameters of that file, written (atomically) before the rename.
+  replication parameters of that file, written atomically before the rename.
 
-A replicated async save also leaves ``iter_<iteration:07d>_<rank>_local.status`` while it
-is in flight (see :mod:`resilient_ckpt.local._background`). A copy *counts* only when both
-files exist and the size matches; it is *valid* only when
-the CRC matches as well. Iterations take as many digits as they need beyond seven, so
-iteration 10,000,000 and later sort and parse correctly (numerically, never by name).
+A replicated async save in flight also leaves ``..._<rank>_local.status``
+(:mod:`resilient_ckpt.local._background`). A copy *counts* when both files exist and the size
+matches, and is *valid* when the CRC matches too. Iterations past seven digits take more, and
+are compared as numbers, never by name.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """NVRx's ``BasicTensorAwareStateDict``, unpickled as ours (see :mod:`._nvrx_format`).
 
-NVRx's class pickles two attributes, ``state_dict`` and ``_is_hollow``, and accepts CUDA
-tensors only: its ``restore_tensor_device`` moves every tensor to CUDA. Ours also records
-where each tensor came from (``_origin``), so the migrated object is given CUDA as the
-origin of every tensor, and is ours from then on (``type(state)`` is
-:class:`~resilient_ckpt.local.basic_state_dict.BasicTensorAwareStateDict`).
+NVRx's class pickles ``state_dict`` and ``_is_hollow`` and holds CUDA tensors only (its
+``restore_tensor_device`` moves every tensor to CUDA); ours also records each tensor's
+origin, so the migrated object gets CUDA as every origin and is ours from then on.
 """
 
 from __future__ import annotations

@@ -1,44 +1,30 @@
 """Reading local checkpoints that NVRx wrote, so the first resume after switching keeps them.
 
-What NVRx (``nvidia_resiliency_ext.checkpointing.local``) leaves on disk, in the same
-directories and under the same names as ours (``<root>/<session_id>/<rank>/``):
+NVRx leaves, in the same directories and under the same names as ours,
+``iter_<iteration:07d>_<owner>_local.pt``: a ``torch.save`` of the ``TensorAwareStateDict``
+(tensors on the host), one per copy held; no manifest, no checksum, no fsync. It writes
+``...dirty.pt``, renames it as soon as ``torch.save`` returns, and its finalize deletes every
+file of an iteration that did not reach the final name on *every* rank.
 
-* ``iter_<iteration:07d>_<owner>_local.pt``: ``torch.save`` of the ``TensorAwareStateDict``
-  (tensors on the host after ``copy_tensors_to_cpu``), one file per copy this rank holds:
-  its own shard and, with replication, those of its clique peers (``<owner>`` is the rank
-  whose shard it is). No manifest, no checksum of its own, no fsync.
-* While being written the file is ``iter_..._local.dirty.pt``; NVRx renames it to the final
-  name as soon as ``torch.save`` has returned, and its finalize step deletes every file of
-  an iteration that did not reach the final name on *every* rank.
+**Such a file is judged complete** when all of these hold (else it is treated as missing,
+like a corrupt copy of ours):
 
-**How such a file is judged complete without our manifest** (all must hold, else the copy
-is treated as missing, exactly like a corrupt copy of ours):
+1. It has the final name (a ``.dirty.pt`` was interrupted and is removed).
+2. No manifest of ours is next to it and it starts with the zip signature (ours start with
+   ``RCLOCAL``, so our shard that lost its manifest is never taken for NVRx's).
+3. It is a well-formed ``torch.save`` archive: the zip central directory, written last, is
+   present and lists ``data.pkl``. A file cut short by a crash (NVRx never fsyncs) has none.
+4. Every record's CRC-32 stored by ``torch.save`` matches its bytes: the checksum our
+   manifest would hold, record by record. A stored CRC of 0 (torch's CRC switched off) is
+   accepted on the structure alone.
+5. As for ours, an iteration is complete only when every shard has such a copy somewhere:
+   NVRx's own rule; NVRx deletes the files of a save that failed on any rank, so leftovers
+   never complete an iteration.
 
-1. It has the final name: a ``.dirty.pt`` file was interrupted (removed, like ours).
-2. No manifest of ours is next to it and it starts with the zip signature: our shards
-   start with ``RCLOCAL``, so a shard of ours that lost its manifest is never taken for
-   NVRx's.
-3. It is a well-formed ``torch.save`` archive: the zip central directory, which is written
-   last, is present and lists a ``data.pkl`` record. A file cut short (a crash before
-   the page cache reached the disk; NVRx never fsyncs) has no central directory.
-4. Every record's CRC-32, which ``torch.save`` stores in the archive, matches its bytes:
-   this is the checksum our manifest would have held, record by record, and it catches
-   torn or flipped data. (A record whose stored CRC is 0 was written with torch's CRC
-   computation switched off and is accepted on the structure alone.)
-5. As for our copies, an iteration is complete only when every rank's shard has such a
-   copy: its owner's own file, or with replication a peer's replica of it. This is
-   NVRx's own rule, and since NVRx deletes the files of a save that failed on any rank,
-   leftovers of a failed save never complete an iteration.
-
-NVRx records neither the world size nor the replication setup of the writing job, so
-those two checks of our manifests cannot be made: resume with the same number of ranks
-(and replication) as the NVRx job, as NVRx itself requires.
-
-Loading unpickles the file as NVRx does (``torch.load(weights_only=False)``: the job wrote
-it), or in the managers' safe mode with ``torch.load(weights_only=True)``. Classes pickled
-under ``nvidia_resiliency_ext.checkpointing`` load from the real package when it is
-installed, else from ours; NVRx's ``BasicTensorAwareStateDict`` becomes ours (NVRx's only
-held CUDA tensors, so ``restore_tensor_device`` returns them to CUDA).
+NVRx records neither world size nor replication setup, so those checks cannot be made:
+resume with the NVRx job's ranks and replication, as NVRx itself requires. Classes pickled
+under ``nvidia_resiliency_ext.checkpointing`` load from the real package when installed,
+else from ours; NVRx's ``BasicTensorAwareStateDict`` becomes ours (:mod:`._nvrx_basic`).
 """
 
 from __future__ import annotations
@@ -162,10 +148,9 @@ def load_state(
 ) -> TensorAwareStateDict:
     """The object NVRx saved, as ``torch.load`` returns it (tensors where they were saved).
 
-    Trusted by default, as in NVRx's own load: the job wrote these files. ``weights_only``
-    (the managers' safe mode) loads with torch's ``weights_only`` unpickler, NVRx's
-    ``BasicTensorAwareStateDict`` allowed (as ours, see the module docstring; torch 2.5 and
-    later: torch 2.4 cannot allow a class under another name, and refuses it); other
+    Trusted by default, as NVRx's own load. ``weights_only`` (the managers' safe mode) uses
+    torch's ``weights_only`` unpickler with NVRx's ``BasicTensorAwareStateDict`` allowed as
+    ours (torch 2.5+: 2.4 cannot allow a class under another name, and refuses it); other
     classes must be marked safe by the user, or the load is refused, naming ``source``.
     """
     if weights_only:

@@ -1,26 +1,22 @@
 """Reading one local checkpoint copy, verified, at the speed of the disk.
 
-A copy is loaded only after its whole byte string matched the size and CRC-32 of its
-manifest; a mismatch raises :class:`~resilient_ckpt.errors.CorruptCheckpointError`, and the
-manager treats that copy as missing.
+A copy is used only after its whole byte string matched its manifest's size and CRC-32; a
+mismatch raises :class:`~resilient_ckpt.errors.CorruptCheckpointError` and the manager treats
+the copy as missing.
 
-Decision: the file is *mapped* (``mmap``, private copy-on-write) and checksummed through the
-mapping, and the loaded tensors are views of the mapping. The CRC pass faults the pages in
-while the kernel reads ahead (``MADV_SEQUENTIAL``), so the only passes over the bytes are
-the disk's and the checksum's: no copy out of the page cache and no zero-filling of a fresh
-buffer. Reading into a newly allocated buffer instead (``readinto``) costs both. This is
-what ``torch.load(mmap=True)`` does, with the same terms:
+Decision: the file is *mapped* (private, copy-on-write), checksummed through the mapping
+with ``MADV_SEQUENTIAL`` read-ahead, and the loaded tensors are views of it: the only passes
+over the bytes are the disk's and the CRC's, with no copy out of the page cache and no
+zero-filling of a fresh buffer. This is ``torch.load(mmap=True)``'s bargain:
 
-* Writes to the loaded tensors go to private copies of the touched pages (the file never
-  changes). Copying the state into a model (``load_state_dict``) touches nothing.
-* Committed copies are never modified in place (a save writes a new file and renames it;
-  retention unlinks), so a mapped copy keeps the bytes that were verified, even after it is
-  deleted. A tool that truncates or rewrites a checkpoint file in place while a loaded state
-  is alive would break that; ``RESILIENT_CKPT_LOCAL_LOAD_MMAP=0`` reads into memory instead.
-* Where a file cannot be mapped (an empty file, a file system without ``mmap``) it is read.
+* writes to loaded tensors go to private pages; the file never changes;
+* committed copies are never modified in place (saves write new files, retention unlinks), so
+  a mapping keeps the verified bytes even after deletion. A tool that rewrites a checkpoint
+  file in place under a live state breaks this: ``RESILIENT_CKPT_LOCAL_LOAD_MMAP=0`` reads
+  into memory instead, as does a file that cannot be mapped (empty, no ``mmap``).
 
-Mapping one large file with several threads checksumming parts of it was measured slower
-than one sequential pass (page-fault contention, read-ahead lost), so there is one pass.
+One sequential pass, not threads checksumming parts: those contend on page faults and lose
+read-ahead.
 """
 
 from __future__ import annotations
@@ -41,10 +37,8 @@ READ_CHUNK = 64 << 20  # larger reads measured faster on a cold cache
 
 
 def read_verified(path: str, size: int, crc32: int) -> torch.Tensor:
-    """The bytes of ``path`` as one CPU uint8 tensor, checked against ``size`` and ``crc32``.
-
-    Raises ``CorruptCheckpointError`` on a mismatch and ``OSError`` if the file cannot be read.
-    """
+    """The bytes of ``path`` as one CPU uint8 tensor, checked against ``size`` and ``crc32``
+    (``CorruptCheckpointError`` on a mismatch, ``OSError`` if unreadable)."""
     if local_load_mmap():
         mapped = _map_verified(path, size, crc32)
         if mapped is not None:

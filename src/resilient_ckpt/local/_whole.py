@@ -1,23 +1,16 @@
 """Saving a ``TensorAwareStateDict`` that cannot be taken apart, as one pickled object.
 
-Some states implement only part of the interface: ``copy_tensors_to_cpu`` and
-``restore_tensor_device`` (and pickling), with ``pop_tensors``/``insert_tensors`` raising
-``NotImplementedError``. NVRx saves such an object whole with ``torch.save`` when
-replication is off, and its own tests rely on that.
+Some states implement only ``copy_tensors_to_cpu``, ``restore_tensor_device`` and pickling
+(``pop_tensors`` raises ``NotImplementedError``); NVRx saves them whole with ``torch.save``
+when replication is off, and its tests rely on it.
 
-Decision: such a state is serialized *at save time*, in the trainer, into one byte string
-(``torch.save`` of the object after ``copy_tensors_to_cpu``), and that byte string becomes
-the single tensor of a :class:`WholeObject`. From there on it is an ordinary shard: the same
-file format, manifest, CRC-32, commit protocol and, because replication exchanges
-serialized shards rather than the user's object, the same replication, so replication
-never needs the methods the state lacks. Serializing at save time also makes the save a
-snapshot: training may change the state as soon as ``save`` returns, which NVRx's
-asynchronous path does not allow.
-
-The cost is a full host copy of the state in the trainer (no zero-copy staging); states
-that implement ``pop_tensors`` keep the fast path. Only when a state cannot be brought to
-the host at all (``copy_tensors_to_cpu`` or ``restore_tensor_device`` missing too) does
-``save`` refuse, naming what is missing.
+Decision: such a state is serialized *at save time*, in the trainer (``torch.save`` after
+``copy_tensors_to_cpu``), into the single tensor of a :class:`WholeObject`, an ordinary shard
+from then on: same file format, manifest, CRC, commit and replication (which exchanges
+serialized shards, so it never needs the missing methods). It also makes the save a snapshot:
+training may change the state once ``save`` returns, which NVRx's async path does not allow.
+The cost is a full host copy in the trainer; states with ``pop_tensors`` keep the zero-copy
+path. ``save`` refuses, naming the method, only a state that cannot reach the host at all.
 """
 
 from __future__ import annotations
@@ -74,10 +67,9 @@ class WholeObject(TensorAwareStateDict):
     ) -> TensorAwareStateDict:
         """The user's object, as ``torch.load`` rebuilds it (tensors on the host).
 
-        Trusted by default, as ``torch.load(weights_only=False)`` in NVRx: the job wrote it.
-        ``weights_only`` (the managers' safe mode) loads it with torch's ``weights_only``
-        unpickler: the user's class must then be marked safe
-        (``torch.serialization.add_safe_globals``), or the load is refused, naming ``source``.
+        Trusted by default, as NVRx. ``weights_only`` (the managers' safe mode): the user's
+        class must be marked safe (``torch.serialization.add_safe_globals``), or the load is
+        refused, naming ``source``.
         """
         raw = self.tensors[0].numpy().tobytes()
         if weights_only:

@@ -1,17 +1,12 @@
 """Writing local checkpoint copies: the ``async_fn`` of a local save.
 
-:func:`write_copies` runs in the background worker (persistent queue), in a forked child
-(fork queue) or in the trainer (synchronous save), so it is a module-level function whose
-arguments are plain picklable values: a list of :class:`CopyTarget` and, in the same
-order, the sources (a :class:`~._format.ShardLayout` whose tensors are streamed, or a ready
-uint8 buffer received from a peer). It never touches trainer state and makes no
-collective call.
-
-For each copy it writes the data to the *dirty* name and fsyncs it, then writes the
-manifest (size and CRC-32 of exactly the bytes written) atomically. The data gets its final
-name only in the commit step, in the trainer, once every rank's writes succeeded; a crash
-before that leaves a dirty file and an orphan manifest, which the next ``find_latest``
-removes.
+:func:`write_copies` runs in the background worker, a forked child or the trainer
+(synchronous save), so it is a module-level function of plain picklable arguments (the
+:class:`CopyTarget` list and, in order, the sources: a shard layout to stream or a buffer
+received from a peer); it touches no trainer state and makes no collective call. Per copy:
+the data under the *dirty* name, fsynced, then the manifest (size and CRC-32 of exactly the
+bytes written) atomically. The final name comes only at commit, in the trainer; a crash
+before leaves a dirty file and an orphan manifest, which the next ``find_latest`` removes.
 """
 
 from __future__ import annotations
@@ -92,12 +87,9 @@ def write_copies(targets: Sequence[CopyTarget], sources: Sequence[Source]) -> No
 
 
 def on_host(sources: Sequence[Source]) -> list[Source]:
-    """The sources with every device tensor copied to the host (``preload_fn``).
-
-    On the persistent queue this runs in the worker, where staging already put every tensor
-    on the host (a no-op); on the fork queue it runs in the trainer before the fork, where
-    device memory cannot be read from the child.
-    """
+    """The sources with every device tensor on the host (``preload_fn``): a no-op in the
+    persistent worker, where staging put them there; before the fork on the fork queue,
+    since the child cannot read device memory."""
     result: list[Source] = []
     for source in sources:
         if isinstance(source, torch.Tensor):

@@ -1,25 +1,21 @@
 """``TensorAwareStateDict``: the interface between a user's state and the local manager.
 
-Decision: a local checkpoint separates the *tensors* of a state (moved as raw bytes: copied
-into one flat buffer, exchanged with replication peers in one message, written without
-pickling) from *everything else* (pickled once, as a small "hollow" object whose tensors
-are replaced by placeholders that remember shape, dtype and device). The interface below
-is how the manager performs that split without knowing the structure of the state; NVRx
-defines the same methods, so an NVRx implementation (e.g. Megatron-Core's) plugs in.
+Decision: a local checkpoint separates a state's *tensors* (moved as raw bytes: one flat
+buffer, exchanged with peers in one message, written without pickling) from *everything
+else* (pickled once, as a small "hollow" object whose tensors are placeholders recording
+shape, dtype and device). These methods let the manager split a state without knowing its
+structure; NVRx defines the same, so an NVRx implementation (Megatron-Core's) plugs in.
+Pickling the whole state with ``torch.save`` instead would add a copy into a zip container,
+could not travel as one buffer, and would allocate every tensor separately on load.
 
-Call protocol (the manager makes these calls, in the trainer process, on every rank):
+Call protocol (the manager, in the trainer, on every rank):
 
 * save: ``pop_tensors()`` -> the hollow object is pickled -> ``insert_tensors(tensors)``
   with the very tensors popped, so the user's object is left as it was.
-* load: the hollow object is unpickled -> ``insert_tensors(tensors)`` with CPU tensors
-  that view the loaded buffer -> ``restore_tensor_device()`` moves them to the device type
-  they were saved from.
-* ``copy_tensors_to_cpu`` / ``init_tensors`` are part of the NVRx interface for callers
-  that stage or receive data themselves; the manager does not need them.
-
-The alternative, pickling the whole state with ``torch.save``, would copy every tensor
-into a zip container (one more copy), could not be exchanged as one flat buffer, and would
-make loading allocate every tensor separately.
+* load: the hollow object is unpickled -> ``insert_tensors(tensors)`` with CPU views of the
+  loaded buffer -> ``restore_tensor_device()`` moves them to the device type they came from.
+* ``copy_tensors_to_cpu`` / ``init_tensors``: NVRx interface for callers that stage or
+  receive data themselves; the manager does not need them.
 """
 
 from __future__ import annotations

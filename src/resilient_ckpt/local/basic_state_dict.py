@@ -1,17 +1,14 @@
 """``BasicTensorAwareStateDict``: a ``TensorAwareStateDict`` over plain nested containers.
 
-Tensors may sit anywhere inside nested dicts, lists and tuples (named tuples included);
-every other value is kept as it is and pickled with the hollow object. Unlike NVRx's
-version, tensors may be on the CPU as well as on CUDA: each placeholder records the device
-its tensor came from, and ``restore_tensor_device`` returns every tensor to that device
-*type* (a CUDA tensor goes to the current CUDA device, as NVRx's ``.to("cuda")`` does, so
-a restarted job whose ranks map to other device indices still loads).
+Tensors may sit anywhere in nested dicts, lists and tuples (named tuples included); other
+values are pickled with the hollow object. Unlike NVRx's version, tensors may be on the CPU
+as well as CUDA: each placeholder records its tensor's device, and ``restore_tensor_device``
+returns every tensor to that device *type* (CUDA means the current CUDA device, as NVRx's
+``.to("cuda")``, so a restarted job whose ranks map to other device indices still loads).
 
 Dicts and lists are rewritten in place (the user's containers stay the same objects, as in
-NVRx); tuples are immutable, so a tuple holding a tensor is rebuilt and put back into its
-parent. Tensors hidden inside other objects are not found: they would be pickled with the
-hollow object, which works but bypasses the fast path (write a custom
-``TensorAwareStateDict`` for such states).
+NVRx); a tuple holding a tensor is rebuilt in its parent. Tensors inside other objects are
+not found: they are pickled with the hollow object, which works but bypasses the fast path.
 """
 
 from __future__ import annotations
@@ -47,9 +44,9 @@ class TensorPlaceholder:
         return torch.empty(self.shape, dtype=self.dtype, device=home_device(self.device))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # A constructor call: ~40 % faster to pickle, and a third smaller, than the
-        # dataclass default (the instance dict rebuilt key by key), once per tensor of every
-        # shard header. Headers pickled the default way still load.
+        # A constructor call: faster and smaller to pickle than the dataclass default (the
+        # instance dict rebuilt key by key), once per tensor of every shard header. Headers
+        # pickled the default way still load.
         return (type(self), (self.shape, self.dtype, self.device))
 
 

@@ -1,9 +1,8 @@
 """Pure decisions over the job-wide catalogue of local checkpoint copies.
 
-``find_latest`` all-gathers, from every rank, the list of committed copies it holds
-(:class:`~resilient_ckpt.local._manifest.CopyInfo`). Every rank then runs the functions
-below on the same input, so every rank takes the same decision without further messages:
-which iterations could be complete, and whether the manifests fit this job.
+``find_latest`` all-gathers every rank's committed copies
+(:class:`~resilient_ckpt.local._manifest.CopyInfo`); every rank runs these functions on the
+same input, so all take the same decision without further messages.
 """
 
 from __future__ import annotations
@@ -19,11 +18,8 @@ Catalogue = Sequence[Sequence[CopyInfo]]
 
 
 def candidate_iterations(catalogue: Catalogue, world_size: int, use_replicas: bool) -> list[int]:
-    """Iterations (newest first) for which every shard has a committed copy somewhere.
-
-    Without replication only a rank's own copy counts (replicas are ignored, as in NVRx).
-    Whether the copies are *valid* (checksums) is decided afterwards, newest first.
-    """
+    """Iterations, newest first, for which every shard has a committed copy somewhere
+    (without replication only owners' own copies count, as in NVRx); checksums come later."""
     owners: dict[int, set[int]] = defaultdict(set)
     for holder, copies in enumerate(catalogue):
         for copy in copies:
@@ -52,14 +48,10 @@ def check_replication(
 ) -> list[str]:
     """Raise if ``iteration`` was replicated differently; return notes worth a warning.
 
-    ``params``: the replication parameters of every holder, by rank (or one value for all).
-    Each holder's copies are compared with its own parameters, so cliques of different
-    sizes are fine as long as every rank keeps its setup.
-
-    A manager without replication may load a replicated checkpoint (the replicas are then
-    ignored, as NVRx documents) and a replicating manager may load an unreplicated one;
-    two *different* replication setups are an error, because the cliques, and so the
-    holders of each shard, would not be what the strategy assumes.
+    ``params``: each holder's replication parameters, by rank (or one for all); each holder's
+    copies are compared with its own, so cliques of different sizes are fine. Replicated vs
+    unreplicated is fine either way (replicas ignored, as NVRx documents); two *different*
+    setups are an error: the holders of each shard would not be what the strategy assumes.
     """
     notes = set()
     for holder, copies in enumerate(catalogue):

@@ -1,40 +1,29 @@
 """``BaseCheckpointManager``: the protocol of local checkpoints, independent of storage.
 
-Public methods own the invariants; a subclass implements the storage ``_hooks`` (listing,
-reading and verifying copies, the write function, commit, retention), as
-:class:`~.local_manager.LocalCheckpointManager` does for local files. Every public method
-is collective: all ranks call it at once, in the trainer.
+Public methods own the invariants and are collective (every rank, in the trainer); a
+subclass implements the storage ``_hooks``, as :class:`~.local_manager.LocalCheckpointManager`
+does for files.
 
-* ``save(state, iteration, is_async)``: every rank checks the request locally (a
-  TensorAwareStateDict, an iteration newer than any known, a writable directory, a
-  picklable non-tensor part) and the outcomes are agreed, so a bad request fails on every
-  rank with the cause instead of hanging the others. The shard is laid out once. Then one
-  of three paths. A synchronous save writes (and replicates) inline. An async save without
-  replication, or with replication over a non-gloo group, hands the write to the
-  ``async_fn`` of an :class:`~resilient_ckpt.async_ckpt.core.AsyncRequest` that runs on the
-  persistent queue (which snapshots the tensors into shared memory) or on the fork queue
-  (which snapshots by forking, after ``preload_fn`` moved device tensors to the host); with
-  replication the exchange, a collective, happens first in the trainer. An async
-  replicated save over gloo serializes the shard into one reusable flat buffer (the
-  snapshot) and exchanges and writes it with the clique in a trainer thread (the request's
-  ``async_fn`` waits for that thread, see ``.._background``). The finalize function
-  commits: once every rank's writes succeeded, each rank renames its dirty files to their
-  final names, and retention removes older iterations (in the background, see
-  ``.._deleter``); if any rank failed, every rank abandons the iteration and removes its
-  files. A synchronous save runs the same steps inline.
-* ``find_latest()``: all ranks gather the catalogue of committed copies (``._catalogue``).
-  Newest first, an iteration is complete when every rank's shard has a copy whose checksum
-  verifies, decided in at most two agreed rounds: each rank verifies its own copy (reading
-  it, which also pre-loads it for ``load``) and, for shards whose owner has no copy, the
-  holders of replicas verify theirs (forwarding them to the owner as they read, see
-  ``..replication._forward``); only if a shard is still without a verified copy (a corrupt
-  one), the remaining replicas of that shard are verified. A corrupt file is logged by path
-  and treated as missing. Newer iterations that are not complete are deleted (they can
-  never become complete), as are dirty leftovers of interrupted saves.
-* ``load()``: the strategy plans who sends which shard (only ranks without a valid copy
-  of their own receive one), the verified bytes move as one buffer per transfer and are
-  checked against the sender's manifest, and the state is rebuilt with its tensors as views
-  of that buffer, then moved back to the devices it came from.
+* **Agree before acting.** ``save`` checks the request on every rank (a TensorAwareStateDict,
+  an iteration newer than any known, writable storage, a picklable non-tensor part) and
+  agrees the outcomes (:mod:`.._agreement`): a bad request fails everywhere with its cause
+  instead of leaving the others waiting in the exchange.
+* **Three save paths, one commit.** Synchronous: replicate and write inline. Async: an
+  ``AsyncRequest`` whose queue snapshots the tensors; replicated over a non-gloo group, the
+  exchange (a collective) runs first, in the trainer. Async replicated over gloo: the shard is
+  serialized into one reusable buffer (the snapshot), exchanged and written in a trainer
+  thread (:mod:`.._background`). All end in one finalize: once every rank's writes succeeded,
+  each renames its dirty files (the commit) and retention runs in the background
+  (:mod:`.._deleter`); if any rank failed, every rank removes the iteration's files.
+* **find_latest verifies in at most two agreed rounds.** Newest first, an iteration is
+  complete when each shard has a copy somewhere whose checksum verifies. Round one: each rank
+  its own copy (the read pre-loads it for ``load``) and replicas of owners that hold none,
+  forwarded to the owner as they are read (:mod:`..replication._forward`); round two, only for
+  a shard still without one, its other replicas. A corrupt file is logged and treated as
+  missing; newer incomplete iterations and dirty leftovers are deleted (they never complete).
+* **load moves only what is missing.** The strategy plans who sends which shard; the bytes
+  travel as one buffer per transfer, are checked against the sender's manifest, and the state
+  is rebuilt with tensors as views of that buffer, then moved back to its devices.
 """
 
 from __future__ import annotations
@@ -187,17 +176,14 @@ class BaseCheckpointManager(ABC):
     """Local checkpoints of one rank's state, with optional replication (NVRx API).
 
     The public methods (``save``, ``find_latest``, ``load``; all collective) own the
-    protocol; a subclass implements the storage hooks (the abstract ``_`` methods below).
+    protocol; a subclass implements the abstract storage hooks.
 
-    Trust: ``load`` reads what the same job saved to its own storage, and unpickles the
-    state's non-tensor part freely (as NVRx does, with ``torch.load(weights_only=False)``),
-    because NVRx and Megatron keep arbitrary objects there: anyone who can write that
-    storage can run code in the job. ``weights_only=True`` is the safe mode, for storage
-    others can write: the state is unpickled with an allow-list (plain values, this
-    format's classes, and what the user marks safe with
-    ``torch.serialization.add_safe_globals`` or inside ``safe_globals``, as for
-    ``torch.load(weights_only=True)``); anything else is refused on every rank with
-    :class:`~resilient_ckpt.errors.UnsafeCheckpointError`, naming the file and the global.
+    Trust: ``load`` unpickles the state's non-tensor part freely, as NVRx does
+    (``torch.load(weights_only=False)``), because NVRx and Megatron keep arbitrary objects
+    there: anyone who can write the storage can run code in the job. ``weights_only=True`` is
+    the safe mode, for storage others can write: plain values, this format's classes and the
+    user's ``torch.serialization`` safe globals are allowed; anything else is refused on every
+    rank with :class:`~resilient_ckpt.errors.UnsafeCheckpointError` naming file and global.
     """
 
     def __init__(
@@ -299,14 +285,12 @@ class BaseCheckpointManager(ABC):
     def warmup(
         self, state_dict: TensorAwareStateDict, queue: AsyncCallsQueue | None = None
     ) -> None:
-        """Prepare this rank for saving ``state_dict``'s structure, so the first save costs
-        what a steady one does; writes nothing. Collective, like ``save``: every rank calls
-        it (it creates the library's process group the saves agree on).
+        """Prepare for saving ``state_dict``'s structure so the first save costs what a steady
+        one does; writes nothing. Collective, like ``save`` (it creates the library's group).
 
-        Lays the shard out (cached: the next save of this structure reuses it) and, for
-        replicated saves, pre-faults the snapshot buffer. With ``queue`` (the one the async
-        saves are scheduled on) it also starts its worker and copy threads, pre-faults an
-        arena for the shard's tensors and primes its staging cache with them.
+        Lays the shard out (reused by the next save of this structure) and, replicated,
+        pre-faults the snapshot buffer. With ``queue`` (the one async saves go to) it also
+        starts its worker and primes its staging for the shard's tensors.
         """
         _require_tensor_aware(state_dict, "warmup")
         if _dist.is_distributed():
@@ -336,10 +320,8 @@ class BaseCheckpointManager(ABC):
         return self._shard_cache.plan(state_dict, plan_shard)
 
     def _deferred_request(self, state_dict: Any, iteration: Any) -> AsyncRequest:
-        """An async save whose preparation (the checks and the layout, agreed across
-        ranks) runs where its request is staged: in overlapped staging on the staging
-        thread, its agreement on the library's background group (see
-        :mod:`resilient_ckpt.async_ckpt._staging`). Its sources fill in then."""
+        """An async save whose checks and layout (agreed on the background group) run where
+        its request is staged (:mod:`resilient_ckpt.async_ckpt._staging`)."""
         _check_iteration(iteration)  # here too: the request's targets are named by it
         group = _dist.background_group() if _dist.is_distributed() else None
         self.latest_iteration = -1
@@ -524,11 +506,8 @@ class BaseCheckpointManager(ABC):
         return True
 
     def _first_round(self, holder: int, iteration: int, use_replicas: bool) -> list[CopyInfo]:
-        """Copies ``holder`` verifies first: its own, and replicas of owners that hold none.
-
-        Decided from the catalogue alone, so every rank knows every rank's choice. After a
-        node loss this reads the lost shards at once, in parallel with the holder's own.
-        """
+        """Copies ``holder`` verifies first: its own, and replicas of owners that hold none
+        (decided from the catalogue alone, so every rank knows every rank's choice)."""
         copies = _catalogue.copies_of(self._catalogue, holder, iteration)
         if not use_replicas:
             return [c for c in copies if c.owner == holder]
@@ -580,12 +559,8 @@ class BaseCheckpointManager(ABC):
     def _verify_iteration(
         self, iteration: int, use_replicas: bool
     ) -> dict[int, list[CkptID]] | None:
-        """Holders of a verified copy of each shard (by rank), or None if a shard has none.
-
-        Round one verifies the copies of :meth:`_first_round`; a second round, only if some
-        shard is still without a verified copy (a corrupt owner copy), verifies the other
-        replicas of those shards.
-        """
+        """Holders of a verified copy of each shard (by rank), or None if a shard has none:
+        the two rounds of the module docstring."""
         me, world = self.rank, self.world_size
         first = self._first_round(me, iteration, use_replicas)
         forwarding = self._forwarding(iteration, use_replicas)

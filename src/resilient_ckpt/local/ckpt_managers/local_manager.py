@@ -1,22 +1,19 @@
 """``LocalCheckpointManager``: local checkpoints in per-rank directories of a file system.
 
-Layout (see :mod:`resilient_ckpt.local._manifest` for the file names)::
+Layout (file names: :mod:`resilient_ckpt.local._manifest`)::
 
     <root_local_ckpt_dir>/<session_id>/<rank>/iter_<iteration:07d>_<owner>_local.pt
                                               iter_<iteration:07d>_<owner>_local.manifest.json
 
-Commit protocol of one save, per copy: the worker writes ``...local.dirty.pt`` and fsyncs
-it, then writes the manifest atomically; after every rank succeeded, the trainer renames
-the dirty file to its final name and fsyncs the directory (the rename is the commit: a copy
-without its final name does not exist for readers). ``sync_files=False`` skips the fsyncs
-(faster, not crash-durable).
+Commit, per copy: the worker writes and fsyncs ``...local.dirty.pt``, then the manifest
+atomically; after every rank succeeded the trainer renames the dirty file and fsyncs the
+directory. The rename is the commit: a copy without its final name does not exist for
+readers. ``sync_files=False`` skips the fsyncs (not crash-durable).
 
-Files that NVRx wrote in the same layout (``iter_..._local.pt`` without a manifest) are read
-too, so a job that switches keeps its progress; how such a file is judged complete without
-a manifest is explained in :mod:`resilient_ckpt.local._nvrx_format`.
-
-Retention keeps the newest ``keep_latest`` committed iterations of this rank's directory
-(default 1, as NVRx) and deletes older ones only after a newer one is committed.
+NVRx's files in the same layout (no manifest) are read too, so a job that switches keeps its
+progress (:mod:`resilient_ckpt.local._nvrx_format`). Retention keeps the newest
+``keep_latest`` committed iterations (default 1, as NVRx), deleting older ones only after a
+newer one is committed.
 """
 
 from __future__ import annotations
@@ -66,9 +63,8 @@ def _file_iteration(name: str) -> int | None:
 class LocalCheckpointManager(BaseCheckpointManager):
     """Local checkpoints on node-local storage (SSD, RAM disk), NVRx-compatible.
 
-    The collective ``save``, ``warmup``, ``find_latest`` and ``load`` are those of
-    :class:`~.base_manager.BaseCheckpointManager`; this class implements its storage hooks
-    for files in per-rank directories.
+    Implements the storage hooks of :class:`~.base_manager.BaseCheckpointManager`, whose
+    collective ``save``, ``warmup``, ``find_latest`` and ``load`` it inherits.
 
     Args:
         root_local_ckpt_dir: root directory; each rank uses ``<root>/<session_id>/<rank>``.
@@ -78,16 +74,12 @@ class LocalCheckpointManager(BaseCheckpointManager):
         keep_latest: how many committed iterations to keep (default 1).
         sync_files: fsync data, manifests and directories (default True).
         defer_planning: an async save without ``repl_strategy`` checks its request and lays
-            the shard out (agreed across ranks) when its request is staged, not in
-            ``save``: with ``overlap_staging=True``, on the staging thread. Its errors are
-            raised on every rank by ``schedule_async_request`` or ``wait_for_snapshot``
-            (see :mod:`resilient_ckpt.async_ckpt._staging`). Default False.
-        weights_only: the safe mode of ``load``. Default False: the state is unpickled
-            freely, as NVRx does (the job trusts what it wrote to its own directories;
-            whoever can write them can run code in the job). True: an allow-list, extended
-            as for ``torch.load(weights_only=True)`` with
-            ``torch.serialization.add_safe_globals`` (see
-            :class:`~.base_manager.BaseCheckpointManager`).
+            the shard out (agreed across ranks) when its request is staged, not in ``save``
+            (with ``overlap_staging=True``, on the staging thread); its errors are raised on
+            every rank by ``schedule_async_request`` or ``wait_for_snapshot``. Default False.
+        weights_only: the safe mode of ``load`` (see
+            :class:`~.base_manager.BaseCheckpointManager`). Default False: unpickled freely,
+            as NVRx does.
     """
 
     def __init__(

@@ -1,23 +1,16 @@
 """One shard buffer from one rank to another, in chunks, checksummed as the chunks arrive.
 
-A recovering rank must check the CRC-32 of the shard it receives before it uses it. Checking
-after the whole buffer arrived puts a full pass over the bytes on the critical path of the
-recovery (on the measured machine, a third of the time a peer needs to send the bytes).
-Here the sender posts one message per chunk and the receiver posts a receive per chunk at
-once, then waits for the chunks in order and checksums each while the next ones are still
-in flight; the CRC is ready when the last chunk is. The bytes still land in one flat
-buffer, so the shard is rebuilt from it as before (tensors are views of it).
+A recovering rank must check the CRC-32 of the shard it receives; checking after the whole
+buffer arrived would put a full pass over the bytes on the recovery's critical path. So the
+sender posts one message per chunk, the receiver posts all receives at once and checksums
+each chunk while the next are in flight. The bytes land in one flat buffer (the shard's
+tensors are views of it). Chunks are ordinary point-to-point messages told apart by tag: the
+transfer's (its place in the exchange plan) in the high bits, the chunk index in the low.
+GPU (NCCL) buffers travel as one message and the caller checksums them on the host.
 
-A rank that knows it will receive its shard (it holds no copy of its own) can
-:func:`reserve` the receive buffer early, while its peers are still verifying the copies they
-will send: fresh memory costs a page fault and the zeroing of every page on first touch
-(measured here: as long as receiving the bytes), which then happens off the critical path.
-An unused reservation is dropped by :func:`release_reserved`.
-
-Chunk messages are ordinary point-to-point messages of the process group, told apart by
-tag: the transfer's tag (its position in the exchange plan) in the high bits, the chunk's
-index in the low ones. Buffers on a GPU (NCCL) travel as one message and are checksummed
-by the caller (a CRC needs the bytes on the host).
+A rank that knows it will receive its shard can :func:`reserve` the buffer early, while its
+peers verify what they will send, so first-touch page faults and zeroing happen off the
+critical path; :func:`release_reserved` drops an unused one.
 """
 
 from __future__ import annotations

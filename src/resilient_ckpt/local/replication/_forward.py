@@ -1,25 +1,21 @@
 """Forwarding a lost shard while its replica is being verified (recovery after a node loss).
 
-Decision: when a rank lost its local copy (its node was replaced), ``find_latest`` has a peer
-verify the replica of that shard in its first round, and ``load`` then sent the verified
-bytes to the owner: a disk read, then a network transfer of the same bytes, one after the
-other. Both
-ends know before any byte is read who will verify which replica (the first round is decided
-from the catalogue that every rank has), so the holder can send each chunk of the file as
-soon as it has read and checksummed it, and the owner receives it meanwhile. The transfer
-then hides behind the reads, and ``load`` finds the shard already at its owner.
+When a rank lost its copy, a peer verifies the replica in ``find_latest``'s first round (a
+disk read) and the owner needs those bytes (a transfer). Every rank knows before any byte is
+read who verifies which replica (the first round is decided from the shared catalogue), so
+the holder sends each chunk as soon as it is read and checksummed and the owner receives
+meanwhile: the transfer hides behind the read, and ``load`` finds the shard at its owner.
 
-Rules that keep it safe:
+Why it is safe:
 
-* One designated sender per lost shard: the lowest rank that verifies its replica in the
-  first round (the same on every rank). Only replicas in this library's format (their
-  manifest has the CRC-32 the owner checks), and only over a host-memory (gloo) clique.
+* One sender per lost shard, the same on every rank: the lowest rank verifying a replica in
+  the first round. Only replicas in our format (their manifest has the CRC the owner checks),
+  only over a host-memory (gloo) clique.
 * The sender always sends exactly the manifest's size, zeros where it could not read, so the
-  owner never waits for bytes that will not come. The owner checks the CRC-32 it measured
-  on arrival against the manifest and counts the shard as verified only if it matches;
-  otherwise the usual second round and ``load``'s transfer take over, as before.
-* The chunks are those of :mod:`._chunked` under a tag of their own, and every forward is
-  complete before the round's agreement, so they never meet a later exchange's messages.
+  owner never waits for bytes that will not come; the owner counts the shard verified only if
+  the CRC measured on arrival matches, else the second round and ``load``'s transfer take over.
+* The chunks are :mod:`._chunked`'s under a tag of their own, and every forward completes
+  before the round's agreement, so they never meet a later exchange's messages.
 """
 
 from __future__ import annotations
@@ -42,10 +38,8 @@ FORWARD_TAG = _chunked.MAX_TAG  # the exchange plans' transfers count up from 0
 
 
 def clique_for_forwarding(strategy: Any) -> CliqueGroup | None:
-    """The strategy's clique when forwarding is possible over it (host memory), else None.
-
-    Every member of a clique gets the same answer: same strategy class, same backend.
-    """
+    """The strategy's clique if forwarding can run over it (host memory), else None; the
+    same answer on every member (same strategy class, same backend)."""
     eager = getattr(strategy, "replication_strategy", strategy)
     group = getattr(eager, "local_group", None)
     if not isinstance(group, CliqueGroup) or group.comm_device.type != "cpu":
@@ -68,11 +62,9 @@ def forwards(
 
 
 def read_and_forward(copy: CopyInfo, send: Callable[[torch.Tensor, int], Any]) -> torch.Tensor:
-    """The bytes of ``copy`` verified, each chunk handed to ``send(chunk, index)`` as soon as
-    it is checksummed; every chunk is sent even when the file cannot be read (zeros).
-
-    Raises like ``read_verified`` (``CorruptCheckpointError``, ``OSError``) after sending.
-    """
+    """The bytes of ``copy`` verified, each chunk handed to ``send(chunk, index)`` once
+    checksummed; every chunk is sent even if the file cannot be read (zeros). Raises like
+    ``read_verified``, after sending."""
     sent = 0
     works: list[Any] = []
     try:

@@ -1,20 +1,14 @@
 """``GroupWrapper``: NVRx's process-group wrapper, for code that drives replication itself.
 
-Megatron-LM's training loop and tests build replication groups with
-``GroupWrapper.from_list_of_groups`` and hand the wrapper to ``CliqueReplicationStrategy``;
-some code also moves ``TensorAwareStateDict`` objects between ranks with it. The library's
-own strategies move whole serialized shards (:class:`~.group_utils.CliqueGroup`); this class
-keeps NVRx's object-and-tensor-at-a-time protocol for callers that use it directly.
+Megatron-LM builds replication groups with ``GroupWrapper.from_list_of_groups`` for
+``CliqueReplicationStrategy``, and some code moves ``TensorAwareStateDict`` objects with it.
+Our strategies move whole serialized shards (:class:`~.group_utils.CliqueGroup`); this keeps
+NVRx's object-and-tensor-at-a-time protocol for direct callers. Deliberate differences:
 
-Decisions that differ from NVRx, on purpose:
-
-* Tensors travel on the group's first supported device (``cpu`` for gloo, ``cuda`` for
-  NCCL) and are moved back to their own device type afterwards, so the same calls run on a
-  CPU-only gloo job (NVRx moves every tensor to CUDA first).
-* With ``group=None`` (the whole world), group ranks *are* global ranks in both
-  directions.
-* Bad arguments raise :class:`~resilient_ckpt.errors.ConfigurationError` (a
-  ``ValueError``), naming the rank and the groups, where NVRx asserts.
+* tensors travel on the group's first supported device (``cpu`` for gloo) and return to
+  their own device type, so the calls run on a CPU-only job (NVRx moves all to CUDA);
+* with ``group=None`` group ranks *are* global ranks, both ways;
+* bad arguments raise :class:`~resilient_ckpt.errors.ConfigurationError` where NVRx asserts.
 """
 
 from __future__ import annotations
@@ -40,11 +34,8 @@ __all__ = ["GroupWrapper"]
 
 
 class GroupWrapper:
-    """A process group (``None``: the default group) with rank translation and exchanges.
-
-    Every exchange method is collective over the group (or, for the point-to-point ones,
-    over the two ranks named), as in ``torch.distributed``.
-    """
+    """A process group (``None``: the default group) with rank translation and exchanges;
+    each exchange is collective over the group, or the two ranks named, as in torch."""
 
     def __init__(self, group: Any = None) -> None:
         self._group = group
@@ -62,11 +53,8 @@ class GroupWrapper:
 
     @staticmethod
     def from_list_of_groups(list_of_groups: Sequence[Any]) -> GroupWrapper:
-        """The one group of ``list_of_groups`` that contains this rank.
-
-        ``dist.new_group`` is collective, so every rank creates every group and then picks
-        its own with this call.
-        """
+        """The one group of ``list_of_groups`` that contains this rank (every rank creates
+        every group, since ``dist.new_group`` is collective, then picks its own)."""
         me = dist.get_rank()
         mine = [g for g in list_of_groups if me in dist.get_process_group_ranks(g)]
         if len(mine) != 1:

@@ -1,24 +1,15 @@
 """Replication groups and the byte exchanges inside one group.
 
 Decision: everything that crosses the network is a *whole flat byte buffer* per shard: one
-broadcast per clique member when replicating, one point-to-point message per (sender,
-receiver) pair when retrieving. NVRx sends one message per tensor; a real state has
-thousands of tensors, and each message costs a round trip and a small-buffer copy. The
-buffers are uint8 tensors, so the same code runs over gloo (CPU tensors) and NCCL (the
-buffer is moved to the current CUDA device for the transfer and back to the target device
-afterwards).
+broadcast per clique member when replicating, one point-to-point transfer per (sender,
+receiver) pair when retrieving (in checksummed chunks, :mod:`._chunked`). NVRx sends one
+message per tensor, and a real state has thousands, each a round trip and a small copy. The
+buffers are uint8 tensors, so the same code runs over gloo and NCCL (moved to the current
+CUDA device for the transfer). Sizes travel first, so every receiver allocates exactly what
+it gets.
 
-Sizes travel first (an ``all_gather_object`` of a few integers, or a two-integer message
-per transfer), so every receiver allocates exactly the bytes it gets.
-
-NVRx's names live here too, for code written against it: ``GroupWrapper`` (Megatron-LM
-builds its replication groups with ``GroupWrapper.from_list_of_groups`` and hands the
-wrapper to ``CliqueReplicationStrategy``, which accepts it), ``ProcessGroupLike`` and
-``batched``. ``GroupWrapper`` keeps NVRx's object-then-tensors exchanges for callers that
-use them directly; the strategies here do not.
-
-A retrieved buffer travels in chunks and is checksummed as they arrive (see
-:mod:`._chunked`).
+NVRx's names live here too, for code written against it: ``GroupWrapper``
+(:mod:`._group_wrapper`), ``ProcessGroupLike`` and ``batched``.
 """
 
 from __future__ import annotations
@@ -65,11 +56,9 @@ def batched(iterable: Iterable[T], n: int) -> Iterator[tuple[T, ...]]:
 def parse_group_sequence(
     replication_jump: int, replication_factor: int, world_size: int
 ) -> list[list[int]]:
-    """The cliques ``{n, n+J, ..., n+(F-1)J}`` covering ``range(world_size)``, sorted.
-
-    ``world_size`` must be divisible by ``J*F``; ranks ``b, b+J, b+2J, ...`` (for each
-    ``b < J``) are cut into consecutive runs of ``F``.
-    """
+    """The cliques ``{n, n+J, ..., n+(F-1)J}`` covering ``range(world_size)``, sorted: ranks
+    ``b, b+J, b+2J, ...`` (each ``b < J``) cut into runs of ``F``. ``world_size`` must be
+    divisible by ``J*F``."""
     for name, value in (
         ("replication_jump", replication_jump),
         ("replication_factor", replication_factor),
@@ -189,9 +178,9 @@ class CliqueGroup:
     ) -> dict[Hashable, tuple[torch.Tensor, int, int | None]]:
         """Carry out ``plan``; ``mine`` maps ids to (buffer, kind) this rank must send.
 
-        Returns (buffer, kind, crc) for every id this rank receives: ``crc`` is the CRC-32
-        of a buffer received from a peer, computed as its chunks arrived (see
-        :mod:`._chunked`); None for this rank's own buffers and for buffers on a GPU.
+        Returns (buffer, kind, crc) for every id this rank receives; ``crc`` is a peer's
+        buffer's CRC-32 measured on arrival (:mod:`._chunked`), None for this rank's own
+        buffers and for buffers on a GPU.
         """
         me, device = self.my_rank, self.comm_device
         missing = plan.required_ids(me) - set(mine)

@@ -1,7 +1,6 @@
 """Replication strategies: who keeps copies of whose local checkpoint, and how they move.
 
-Call protocol (NVRx-compatible; every rank of the job makes each call at once, in the
-trainer process):
+Call protocol (NVRx-compatible; every rank makes each call at once, in the trainer):
 
 1. save: ``replicate(local_ckpt, id_)`` returns the state dicts and ids this rank must
    store: its own and those of its clique peers.
@@ -10,15 +9,10 @@ trainer process):
    ``retrieve_execute(plan, my_data)`` moves the data and returns what this rank wanted.
 
 :class:`CliqueReplicationStrategy` keeps full copies inside cliques of ``F`` ranks spaced
-``J`` apart (``J`` = ranks per node puts every member on another node, so losing ``F-1``
-nodes of a clique loses nothing). Each shard travels as one flat byte buffer (see
-:mod:`.group_utils`): the manager passes an already serialized shard
-(:class:`~resilient_ckpt.local._format.ShardBuffer`), which goes as it is; any other
-``TensorAwareStateDict`` is serialized into one buffer first and rebuilt on arrival.
-
-When retrieving, a receiver that holds a valid copy uses its own; otherwise the holder
-with the fewest transfers assigned so far sends (ties: lowest rank), so the load of a
-recovery spreads evenly over the surviving members.
+``J`` apart (``J`` = ranks per node puts each member on another node, so losing ``F-1``
+nodes of a clique loses nothing). Each shard travels as one byte buffer (:mod:`.group_utils`):
+a shard the manager already serialized goes as it is, any other ``TensorAwareStateDict`` is
+serialized first and rebuilt on arrival. Senders are spread evenly (:func:`assign_senders`).
 """
 
 from __future__ import annotations
