@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from resilient_ckpt.async_ckpt._copy import ALIGN, BRIDGE_MAX_BYTES, place
-from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
+from resilient_ckpt.async_ckpt._structure import StageCache
 
 PAGE = 4096
 

@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from resilient_ckpt._torch_compat import no_dist_kwargs
 from resilient_ckpt.async_ckpt import _dcp_buckets
-from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, SourcedBatch, stage, unstage
+from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
+from resilient_ckpt.async_ckpt._structure import StageCache
 
 
 def _never() -> bool:

@@ -1,7 +1,7 @@
-"""The steady-state fast paths (issue 13): the staging cache (``_stage_cache``) and the DCP
-plan record (``_planning.FastRecord``). A save of an unchanged layout must reuse them; every
-change that matters must be noticed, and each checkpoint must hold exactly the values of its
-call."""
+"""The steady-state fast paths (issue 13): the structure walk and key, the staging cache
+(``_structure``) and the DCP flat record (``_planning.FlatRecord``). A save of an unchanged
+layout must reuse them; every change that matters must be noticed, and each checkpoint must
+hold exactly the values of its call."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from resilient_ckpt.async_ckpt import _copy, _staging
 from resilient_ckpt.async_ckpt._arena import Arena
-from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage, unstage
+from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
@@ -653,7 +653,7 @@ def test_walk_key_changes_with_every_part_of_the_structure() -> None:
     for variant in variants:
         assert key(variant) != same, variant
     values = _structure.walk({"a": 0.0, "b": [-0.0]})
-    assert values is not None and values.values == [0.0.hex(), (-0.0).hex()]
+    assert values is not None and values.values == [(0.0).hex(), (-0.0).hex()]
 
     class Sub(torch.Tensor):
         pass

@@ -12,7 +12,6 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt._staging import (
     MIN_BATCHED,
     ArenaPool,
@@ -22,6 +21,7 @@ from resilient_ckpt.async_ckpt._staging import (
     stage,
     unstage,
 )
+from resilient_ckpt.async_ckpt._structure import StageCache
 from tests.unit.test_torch_ckpt_state import _training_state
 
 

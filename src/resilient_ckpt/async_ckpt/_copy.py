@@ -2,7 +2,7 @@
 
 :mod:`._staging` decides *what* is copied (one slot per storage); this module decides where
 each slot lies in the arena and the copies that fill it, the only trainer-side data copy of
-a save. Everything here is a function of the tensors' layouts, so :mod:`._stage_cache` keeps
+a save. Everything here is a function of the tensors' layouts, so :mod:`._structure` keeps
 the plans for the next save of the same layout.
 
 **Placement: host storages close together in memory keep their relative places in the arena

@@ -15,41 +15,23 @@ A rank that failed contributes a flag; every rank then raises ``RankFailureError
 ``CheckpointException`` too) naming it, instead of some ranks waiting in a collective the
 failed rank never joins. The agreement itself is :func:`.._dist.agree`.
 
-**What a cached plan depends on: the structure signature.** A DCP save plan depends on the
-state's *structure*, never on its values: the keys, whether each value is a tensor, a
-DTensor, a ShardedTensor or a pickled object, and for tensors their shape, dtype,
-``requires_grad`` and (for sharded ones) which chunk this rank holds. It also depends on who
-plans (planner type and settings, writer type, world size, rank, coordinator). The signature
-is a 16-byte BLAKE2b digest of a textual description of all of that, computed by walking
-the flattened state once (no write items are built, no plan is pickled). Equal signatures on
-every rank imply equal local plans on every rank, hence the same global plan, so a cached
-plan can be reused; the saver checks that with one small collective. Deliberately left out:
-``pin_memory`` (recorded by torch in the metadata but irrelevant for loading, and querying it
-may touch the CUDA driver) and values.
+**What a cached plan depends on.** A DCP save plan depends on the state's *structure*, never on
+its values, and on who plans (planner type and settings, writer type, world size, rank,
+coordinator: :meth:`Planning.context`). Two checks answer "same as the cached plan?":
 
-**The steady-state check.** The signature needs the planner set up (which flattens the
-state) and a textual description of every entry. A save of an unchanged structure is
-checked instead by one walk over the *nested* state, compared with a :class:`FastRecord` of
-the last planned save:
-
-* **tokens**: for every container, its type and its keys in order; for every leaf, its type
-  (for a ``list``, its elements' types too: DCP flattens a list element by element only if
-  it holds tensors or mappings, as an optimizer's ``param_groups`` does, else keeps it as
-  one leaf, so that decides the flattening);
-* **plan keys**: for a tensor, what its write items depend on (shape, dtype,
-  ``requires_grad``, layout); for a DTensor, its spec (mesh, placements, global shape,
-  stride, dtype: compared by identity first, which holds while the DTensor object is the
-  same) and ``requires_grad``.
-
-A record is made after a planned save, only if DCP's own flattening of that state visited
-exactly the walk's leaves, in order (checked object by object), so the planner's flat state
-can later be rebuilt as ``dict(zip(fqns, leaves))`` without flattening. It also keeps the
-planning context, as the signature does. Anything the walk does not model (ShardedTensors,
-objects with ``__create_write_items__``, other tensor subclasses, lists of lists,
-non-default planners) gets no record: those saves take the signature's path. Equal tokens
-and plan keys imply an equal structure signature, so the cached plan is valid for this rank;
-the saver still agrees across ranks (one small collective) that every rank matched the same
-planning generation.
+* **The structure key** (:mod:`._structure`), for default planners and the states its walk
+  models (dicts, lists, tuples, plain tensors, DTensors, any other picklable object). The
+  cache keeps a :class:`FlatRecord` under the key ``(context, structure key)`` of the state it
+  was planned for; a save whose key is equal on every rank (one small collective, which also
+  checks that every rank matched the same planning generation) reuses the plan and rebuilds
+  the planner's flat state as ``dict(zip(fqns, leaves))``, without DCP's flattening. A record
+  is made only if DCP's own flattening visited exactly the walk's leaves (object by object).
+* **The signature**, for everything else (ShardedTensors, as Megatron-LM's ``torch_dist``
+  states hold, objects with ``__create_write_items__``, planners with their own set-up): the
+  planner is set up, and a 16-byte BLAKE2b digest of the flattened state's description (keys,
+  value kinds, shapes, dtypes, ``requires_grad``, which chunk this rank holds) plus the
+  context is compared with the cached one, on every rank at once. Left out of both:
+  ``pin_memory`` (querying it may touch the CUDA driver) and values.
 
 **The cache.** :class:`CheckpointMetadataCache` holds what NVRx's class of that name holds,
 under NVRx's attribute and method names (Megatron-LM reads and sets them), plus the

@@ -11,7 +11,7 @@ CPU or CUDA tensor to a descriptor (slot, dtype, size, stride, offset). The C pi
 the table only for tensor types, so the cost is one Python call per tensor; a
 ``persistent_id`` method would be called for every object pickled. Slots are keyed by
 *storage*, so views and tied weights stay shared exactly as ``torch.save`` would see them.
-:mod:`._copy` fills the slots; :mod:`._stage_cache` lets a request laid out like the previous
+:mod:`._copy` fills the slots; :mod:`._structure` lets a request laid out like the previous
 one reuse its descriptors and copy plan. Lists of tensors our own code builds, and a
 ``torch.save`` state's dicts of tensors, travel as one blob of descriptors
 (:class:`TensorBatch`, :class:`SourcedBatch`, :class:`TensorDict`). Worker side,
@@ -274,7 +274,7 @@ def _stageable(obj: torch.Tensor) -> bool:
 
 class _Collector:
     """Per-pickle state: the storages met so far, by identity, in order of first use, and what
-    :mod:`._stage_cache` needs to reuse the descriptors (each reducer call's result and tensor
+    :mod:`._structure` needs to reuse the descriptors (each reducer call's result and tensor
     count, the tensors in order). ``reusable`` turns False when a tensor is pickled by value.
     """
 
