@@ -49,6 +49,10 @@ The private names, what each is for, the releases tested and the fallback:
     a memory format); :mod:`resilient_ckpt._restricted_pickle` allows exactly these. Tested:
     2.4.1 to 2.13 (files written by each, ``tests/unit/test_restricted_pickle.py``). Fallback:
     a name this torch lacks is not allowed, so a file naming it is refused with a named error.
+``DTensor._spec`` (:func:`dtensor_specs`)
+    A DTensor's mesh, placements, global shape, stride and dtype in one object, read by the
+    structure key of :mod:`resilient_ckpt.async_ckpt._structure` at every save. Tested: 2.13.
+    Fallback: the same fields through the public attributes, each a Python-level property.
 ``torch.distributed._tensor`` (``DTensor``, ``Replicate``, ``Shard``, ``distribute_tensor``)
     Torch 2.4's home of DTensor; the public ``torch.distributed.tensor`` is used from 2.5 on.
     Tested: 2.13, which takes the public path.
@@ -60,6 +64,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import operator
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
@@ -80,6 +85,7 @@ __all__ = [
     "distribute_tensor",
     "extra_safe_globals",
     "has_stream_transforms",
+    "dtensor_specs",
     "is_sharded_tensor",
     "loaded_dtensor",
     "no_dist_kwargs",
@@ -120,6 +126,27 @@ def loaded_dtensor() -> type | None:
     ):
         return __getattr__("DTensor")
     return None
+
+
+def dtensor_specs(dtensors: Sequence[Any]) -> list[Any]:
+    """What each DTensor's plan depends on besides ``requires_grad``: mesh, placements, global
+    shape, stride and dtype, comparable with ``==``."""
+    return list(map(_dtensor_spec(), dtensors)) if dtensors else []
+
+
+_PUBLIC_SPEC = operator.attrgetter("device_mesh", "placements", "shape", "dtype")
+
+
+@functools.cache
+def _dtensor_spec() -> Callable[[Any], Any]:
+    dtensor = loaded_dtensor()
+    if dtensor is not None and hasattr(dtensor, "_spec"):  # called only once DTensors exist
+        return operator.attrgetter("_spec")
+
+    def public(obj: Any) -> tuple:
+        return (*_PUBLIC_SPEC(obj), obj.stride())
+
+    return public
 
 
 # -- torch releases ---------------------------------------------------------------------------

@@ -284,3 +284,31 @@ def test_importing_compat_leaves_dtensor_for_first_use() -> None:
         "assert DTensor is t.DTensor and Shard is t.Shard and c.Replicate is t.Replicate\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_dtensor_specs_and_their_public_fallback_tell_the_same_changes() -> None:
+    """The private spec and the public fields agree on which DTensors plan alike; before
+    DTensor's module is imported, no DTensor is looked for."""
+    code = """
+import sys, torch, torch.distributed as dist
+from resilient_ckpt import _torch_compat as c
+assert c.loaded_dtensor() is None and c.dtensor_specs([]) == []
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+assert c.loaded_dtensor() is DTensor
+mesh = init_device_mesh("cpu", (1,))
+def make(rows, placement):
+    return DTensor.from_local(torch.zeros(rows, 2), mesh, [placement], run_check=False)
+a, same, other_shape, other_placement = (
+    make(4, Shard(0)), make(4, Shard(0)), make(5, Shard(0)), make(4, Replicate()))
+for read in (c._dtensor_spec.__wrapped__(), None):
+    if read is None:
+        c.loaded_dtensor = lambda: type("NoSpec", (), {})
+        read = c._dtensor_spec.__wrapped__()
+        assert read.__name__ == "public"
+    ref = read(a)
+    assert read(same) == ref and read(other_shape) != ref and read(other_placement) != ref
+dist.destroy_process_group()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from .._logging import get_logger
-from .._torch_compat import loaded_dtensor
+from .._torch_compat import dtensor_specs, loaded_dtensor
 from ._arena import Arena, ArenaPool
 from ._copy import (
     NO_DEVICE,
@@ -121,11 +121,9 @@ def unchanged(
 # -- the structure ----------------------------------------------------------------------------
 
 _EXACT = frozenset({int, str, bytes, bool, type(None)})
+_SCALARS = _EXACT | {float}
 _AGAIN = "again"  # the token of a container met before in the same walk
-# A DTensor's plan depends on its mesh, placements, global shape, stride, dtype and
-# requires_grad (the mesh and placements are the DTensor's own objects: compared by identity
-# first while the DTensor is the same).
-_DTENSOR = operator.attrgetter("device_mesh", "placements", "shape", "dtype", "requires_grad")
+_LEAVES = "leaves"  # the token of a mapping of leaves walked at once (see _Walk.mapping)
 
 
 class _Unmodelled(Exception):
@@ -190,16 +188,29 @@ class _Walk:
             self.tokens.append((kind, tuple(obj)))
             self.plain = self.plain and kind is dict
         items = list(obj.values())
-        kinds = set(map(type, items))
-        if len(kinds) == 1 and kinds <= self.uniform:  # a model's parameters: C-level passes
-            (one,) = kinds
-            self.tokens.append((one, len(items)))
+        kinds = list(map(type, items))
+        distinct = set(kinds)
+        tensor_kinds = distinct - _SCALARS
+        if not tensor_kinds or (len(tensor_kinds) == 1 and tensor_kinds <= self.uniform):
+            # Leaves only, tensors of one type at most (a model's parameters, an optimizer's
+            # per-parameter state): C-level passes instead of a call per value.
+            self.tokens.append((_LEAVES, tuple(kinds)))
             self.leaves.extend(items)
-            if one is self.dtensor:
-                self.dtensors.extend(items)
+            if len(distinct) == 1 and tensor_kinds:
+                tensors = items
+            else:
+                for value in items:
+                    kind = type(value)
+                    if kind is float:
+                        self.values.append(value.hex())
+                    elif kind in _SCALARS:
+                        self.values.append((kind, value))
+                tensors = [v for v in items if type(v) in tensor_kinds]
+            if self.dtensor in tensor_kinds:
+                self.dtensors.extend(tensors)
                 self.plain = False
             else:
-                self.tensors.extend(items)
+                self.tensors.extend(tensors)
             return
         for item in items:
             self.value(item)
@@ -280,8 +291,8 @@ def walk(state: Mapping) -> Structure | None:
     key = (
         visit.tokens,
         meta,
-        list(map(_DTENSOR, dtensors)),
-        list(map(torch.Tensor.stride, dtensors)),
+        dtensor_specs(dtensors),
+        list(map(operator.attrgetter("requires_grad"), dtensors)),
     )
     return Structure(key, visit.leaves, visit.tensors, visit.values, visit.plain)
 
