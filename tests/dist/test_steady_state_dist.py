@@ -101,3 +101,107 @@ def test_one_rank_changing_its_structure_makes_every_rank_replan(tmp_path) -> No
         for (what, _who, _change, steady), (was_steady, same) in zip(STEPS, rows, strict=True):
             assert same, f"rank {rank}, {what}: checkpoint does not hold the call's values"
             assert was_steady == steady, f"rank {rank}, {what}: steady {was_steady}"
+
+
+# -- a ShardedTensor state and a planner with its own set-up (Megatron-LM's kind) -------------
+
+# (what, change, every rank reuses the cached plan)
+SHARDED_STEPS = [
+    ("first", None, False),
+    ("values only", None, True),
+    ("every rank's shard grows a row", "reshard", False),
+    ("values only again", None, True),
+    ("rank 0 adds a tensor", "add", False),
+    ("a non-tensor value", "step", True),
+]
+
+
+class OwnSetUpPlanner(DefaultSavePlanner):
+    """A planner with its own set-up: a reused plan still runs it, and plans nothing."""
+
+    set_ups = 0
+    plans = 0
+
+    def set_up_planner(self, *args, **kwargs):
+        OwnSetUpPlanner.set_ups += 1
+        return super().set_up_planner(*args, **kwargs)
+
+    def create_local_plan(self):
+        OwnSetUpPlanner.plans += 1
+        return super().create_local_plan()
+
+
+def _sharded(rank: int, world: int, rows: int, value: float):
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    local = torch.full((rows, 4), value)
+    placement = f"rank:{rank}/cpu"
+    metadata = ShardMetadata([rank * rows, 0], [rows, 4], placement)
+    return init_from_local_shards([Shard(local, metadata)], world * rows, 4)
+
+
+def _sharded_rank(rank: int, world: int, root: str) -> list:
+    from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+    from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+    from resilient_ckpt.async_ckpt.state_dict_saver import (
+        CheckpointMetadataCache,
+        save_state_dict_async_finalize,
+        save_state_dict_async_plan,
+    )
+
+    warnings.filterwarnings("ignore")
+    rows = 2
+    state: dict = {"st": _sharded(rank, world, rows, float(rank)), f"r{rank}.w": torch.ones(3)}
+    state["step"] = 0
+    cache = CheckpointMetadataCache()
+    queue = AsyncCallsQueue()
+    out = []
+    try:
+        for n, (_what, change, _reused) in enumerate(SHARDED_STEPS):
+            if change == "reshard":
+                rows += 1
+                state["st"] = _sharded(rank, world, rows, float(rank))
+            elif change == "add" and rank == 0:
+                state["r0.extra"] = torch.full((4,), 4.0)
+            elif change == "step":
+                state["step"] = 42
+            state["st"].local_shards()[0].tensor.add_(n)
+            state[f"r{rank}.w"].add_(n)
+            expected = state["st"].local_shards()[0].tensor.clone()
+            plans, set_ups = OwnSetUpPlanner.plans, OwnSetUpPlanner.set_ups
+            writer = FileSystemWriterAsync(os.path.join(root, f"s{n}"), thread_count=1)
+            ret = save_state_dict_async_plan(
+                state, writer, planner=OwnSetUpPlanner(), enable_cache=True, metadata_cache=cache
+            )
+            reused = OwnSetUpPlanner.plans == plans
+            set_up = OwnSetUpPlanner.set_ups == set_ups + 1
+            save_fn, preload_fn, args = writer.get_save_function_and_args()
+            finalize = [lambda r=ret: save_state_dict_async_finalize(*r)]
+            queue.schedule_async_request(
+                AsyncRequest(save_fn, args, finalize, preload_fn=preload_fn)
+            )
+            queue.maybe_finalize_async_calls(blocking=True)
+            target = {"st": _sharded(rank, world, rows, -1.0), "step": None}
+            dcp.load(target, checkpoint_id=os.path.join(root, f"s{n}"))
+            loaded = target["st"].local_shards()[0].tensor
+            out.append((reused, set_up, torch.equal(loaded, expected), target["step"]))
+    finally:
+        queue.close()
+    return out
+
+
+def test_sharded_tensors_and_an_own_planner_reuse_the_plan_only_while_unchanged(tmp_path) -> None:
+    """ShardedTensors (as Megatron-LM's torch_dist states hold) are part of the structure key:
+    an unchanged state reuses the plan on every rank, with the planner's own set-up run; a
+    reshard or a change on one rank re-plans on every rank; each checkpoint holds its call's
+    shards."""
+    results = launch(_sharded_rank, 2, str(tmp_path))
+    for rank, rows in enumerate(results):
+        for (what, change, reused), (was_reused, set_up, same, step) in zip(
+            SHARDED_STEPS, rows, strict=True
+        ):
+            assert was_reused == reused, f"rank {rank}, {what}: plan reused {was_reused}"
+            assert set_up, f"rank {rank}, {what}: the planner's own set-up did not run once"
+            assert same, f"rank {rank}, {what}: the shard does not hold the call's values"
+            assert step == (42 if change == "step" else 0), f"rank {rank}, {what}: step {step}"

@@ -658,7 +658,11 @@ def test_walk_key_changes_with_every_part_of_the_structure() -> None:
     class Sub(torch.Tensor):
         pass
 
-    assert _structure.walk({"a": [torch.rand(2).as_subclass(Sub)]}) is None  # not modelled
+    # Another tensor type is described apart (its type, shape, dtype, ...), never plain.
+    sub = _structure.walk({"a": [torch.rand(2).as_subclass(Sub)]})
+    assert sub is not None and not sub.plain
+    assert sub.key != key({"a": [torch.rand(2)]}) != key({"a": [torch.rand(3).as_subclass(Sub)]})
+    assert _structure.walk([1, 2]) is None  # not a mapping
 
 
 @pytest.mark.timeout(120)

@@ -140,18 +140,6 @@ def test_sharded_tensor_fallback_sees_none(monkeypatch) -> None:
     assert [_torch_compat.is_sharded_tensor(v) for v in values] == private == [False] * 4
 
 
-def test_flattened_state_dict_is_torch_flattening() -> None:
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    from resilient_ckpt.async_ckpt._planning import _flattened
-
-    state = _state()
-    flat = _flattened(state)
-    expected, _ = flatten_state_dict(state)
-    assert list(flat) == list(expected)
-    assert all(flat[k] is expected[k] for k in expected)
-
-
 def test_item_sizes_use_public_itemsize() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.complex64, torch.bool, torch.int8):
         assert dtype.itemsize == torch._utils._element_size(dtype)

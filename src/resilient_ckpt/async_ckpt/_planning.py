@@ -17,38 +17,34 @@ failed rank never joins. The agreement itself is :func:`.._dist.agree`.
 
 **What a cached plan depends on.** A DCP save plan depends on the state's *structure*, never on
 its values, and on who plans (planner type and settings, writer type, world size, rank,
-coordinator: :meth:`Planning.context`). Two checks answer "same as the cached plan?":
+coordinator: :meth:`Planning.context`). The structure is the key of :mod:`._structure` (keys,
+containers, each leaf's type, each tensor's shape, dtype, ``requires_grad`` and layout, a
+DTensor's spec, a ShardedTensor's shards and which of them this rank holds, the write items an
+object with ``__create_write_items__`` makes). :func:`cached_plan` walks the state and compares
+``(context, key)`` with the cache's; one small collective decides, the same on every rank,
+whether every rank matched the same planning generation. Left out: ``pin_memory`` (querying
+it may touch the CUDA driver) and values. A state the walk cannot describe is planned in full
+at every save.
 
-* **The structure key** (:mod:`._structure`), for default planners and the states its walk
-  models (dicts, lists, tuples, plain tensors, DTensors, any other picklable object). The
-  cache keeps a :class:`FlatRecord` under the key ``(context, structure key)`` of the state it
-  was planned for; a save whose key is equal on every rank (one small collective, which also
-  checks that every rank matched the same planning generation) reuses the plan and rebuilds
-  the planner's flat state as ``dict(zip(fqns, leaves))``, without DCP's flattening. A record
-  is made only if DCP's own flattening visited exactly the walk's leaves (object by object).
-* **The signature**, for everything else (ShardedTensors, as Megatron-LM's ``torch_dist``
-  states hold, objects with ``__create_write_items__``, planners with their own set-up): the
-  planner is set up, and a 16-byte BLAKE2b digest of the flattened state's description (keys,
-  value kinds, shapes, dtypes, ``requires_grad``, which chunk this rank holds) plus the
-  context is compared with the cached one, on every rank at once. Left out of both:
-  ``pin_memory`` (querying it may touch the CUDA driver) and values.
+A hit sets the planner up without DCP's flattening where it can: a default planner's flat
+state is rebuilt as ``dict(zip(fqns, leaves))`` (:class:`PlanRecord`), recorded only if DCP's
+own flattening of the planned state visited exactly the walk's leaves (object by object).
+Other planners run their own set-up.
 
 **The cache.** :class:`CheckpointMetadataCache` holds what NVRx's class of that name holds,
-under NVRx's attribute and method names (Megatron-LM reads and sets them), plus the
-signature and the record of the state it was planned for. It only keeps them; the saver
-decides when they are valid.
+under NVRx's attribute and method names (Megatron-LM reads and sets them), plus the record
+of the state it was planned for, under its key. It only keeps them; the saver decides when
+they are valid.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
@@ -58,14 +54,13 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import _dist
 from .._logging import get_logger
-from .._torch_compat import DTensor, is_sharded_tensor
 from ..errors import CheckpointingException, ConfigurationError
-from ._structure import StructureCache, walk
+from ._structure import Structure, StructureCache, walk
 
 logger = get_logger(__name__)
 
 
-# -- the structure signature ------------------------------------------------------------------
+# -- what a plan depends on ------------------------------------------------------------------
 
 
 def check_state_dict(state_dict: Any) -> None:
@@ -87,40 +82,10 @@ def check_state_dict(state_dict: Any) -> None:
             )
 
 
-def _describe(fqn: str, obj: Any) -> Any:
-    kind = type(obj)
-    if kind is torch.Tensor or kind is torch.nn.Parameter:
-        # The common case first, as a tuple: no string formatting per tensor.
-        return (fqn, obj.shape, obj.dtype, obj.requires_grad, obj.layout)
-    if isinstance(obj, DTensor):
-        mesh = obj.device_mesh
-        return (
-            f"D|{fqn}|{tuple(obj.shape)}|{obj.dtype}|{obj.requires_grad}|"
-            f"{tuple(mesh.shape)}|{mesh.get_coordinate()}|{obj.placements}"
-        )
-    if is_sharded_tensor(obj):
-        md = obj.metadata()
-        shards = [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in obj.local_shards()]
-        return f"S|{fqn}|{tuple(md.size)}|{md.tensor_properties.dtype}|{shards}"
-    if hasattr(obj, "__create_write_items__"):
-        return f"C|{fqn}|{obj.__create_write_items__(fqn, obj)!r}"
-    if isinstance(obj, torch.Tensor):
-        return f"T|{fqn}|{tuple(obj.shape)}|{obj.dtype}|{obj.requires_grad}|{obj.layout}"
-    return f"B|{fqn}"
-
-
 def planner_settings(planner: Any) -> list[tuple[str, Any]]:
     """The planner's scalar attributes (its flags), sorted: part of what a plan depends on."""
     scalars = (bool, int, float, str, type(None))
     return sorted((k, v) for k, v in vars(planner).items() if isinstance(v, scalars))
-
-
-def structure_signature(flat_state: Mapping[str, Any], context: Sequence[Any]) -> bytes:
-    """Digest of the flattened state's structure plus ``context`` (who plans, see above)."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr(tuple(context)).encode())
-    digest.update(repr([_describe(fqn, obj) for fqn, obj in flat_state.items()]).encode())
-    return digest.digest()
 
 
 # -- the steady-state record -----------------------------------------------------------------------
@@ -137,39 +102,40 @@ def planner_supported(planner: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class FlatRecord:
-    """How the planner's flat state is rebuilt from a state of the recorded structure:
-    ``dict(zip(fqns, structure.leaves))``, without DCP's flattening."""
+class PlanRecord:
+    """What the cache keeps under the structure key of the state it planned for:
+    ``generation`` (the planning it came from) and, where DCP's flattening of that state
+    visited exactly the walk's leaves, how to rebuild the planner's flat state without it
+    (``fqns``, None otherwise)."""
 
-    fqns: tuple[str, ...]
-    mappings: dict
     generation: int
+    fqns: tuple[str, ...] | None = None
+    mappings: dict | None = None
 
-    def set_up(self, planner: Any, leaves: list, is_coordinator: bool) -> None:
-        """What ``DefaultSavePlanner.set_up_planner`` would leave, without flattening."""
-        planner.state_dict = dict(zip(self.fqns, leaves, strict=True))
-        planner.mappings = dict(self.mappings)
-        planner.is_coordinator = is_coordinator
+    @classmethod
+    def of(cls, planning: Planning, structure: Structure, generation: int) -> PlanRecord:
+        """After a full planning of ``structure``'s state."""
+        planner = planning.planner
+        flat = getattr(planner, "state_dict", None)
+        if (
+            not planner_supported(planner)
+            or is_decentralized(planner, planning.writer)
+            or not isinstance(flat, dict)
+            or len(flat) != len(structure.leaves)
+            or any(a is not b for a, b in zip(flat.values(), structure.leaves, strict=True))
+        ):
+            return cls(generation)
+        mappings = dict(getattr(planner, "mappings", {}) or {})
+        return cls(generation, tuple(flat), mappings)
 
-
-def record_structure(
-    cache: CheckpointMetadataCache, state_dict: Mapping, planner: Any, context: tuple
-) -> None:
-    """After ``planner.set_up_planner(state_dict)`` and a full planning: remember how to
-    rebuild the planner's flat state, if DCP's flattening visited exactly the walk's leaves
-    (checked object by object)."""
-    structure = walk(state_dict) if planner_supported(planner) else None
-    flat = getattr(planner, "state_dict", None)
-    if (
-        structure is None
-        or not isinstance(flat, dict)
-        or len(flat) != len(structure.leaves)
-        or any(a is not b for a, b in zip(flat.values(), structure.leaves, strict=True))
-    ):
-        return
-    mappings = dict(getattr(planner, "mappings", {}) or {})
-    record = FlatRecord(tuple(flat), mappings, cache.misses)
-    cache.structures.remember((context, structure.key), record)
+    def set_up(self, planning: Planning, leaves: list) -> None:
+        """What ``DefaultSavePlanner.set_up_planner`` would leave for a state with the
+        recorded structure, without flattening (only with ``fqns``)."""
+        planner: Any = planning.planner
+        planner.state_dict = dict(zip(cast(tuple, self.fqns), leaves, strict=True))
+        planner.mappings = dict(self.mappings or {})
+        planner.is_coordinator = planning.dist_wrapper.is_coordinator
+        planning.is_set_up = True
 
 
 # -- the plan cache --------------------------------------------------------------------------------
@@ -183,7 +149,8 @@ class CheckpointMetadataCache:
     ``validated_cache_reuse`` (the last save reused the cached plan),
     ``validated_loaded_metadata_reuse`` (the last decentralized save reused metadata loaded
     from a previous checkpoint), ``loaded_all_plans`` (from that metadata). Ours:
-    ``structure_signature`` (of the state the cache was built for), ``hits``, ``misses``.
+    ``structures`` (the record of the state the cache was built for, under its structure
+    key), ``hits``, ``misses``.
     """
 
     def __init__(self) -> None:
@@ -193,9 +160,8 @@ class CheckpointMetadataCache:
         self.validated_cache_reuse = False
         self.validated_loaded_metadata_reuse = False
         self.loaded_all_plans: list[SavePlan] | None = None
-        self.structure_signature: bytes | None = None
-        # The flat record of the state the cached plan was made for (see steady_state_plan).
-        self.structures: StructureCache[FlatRecord] = StructureCache()
+        # The record of the state the cached plan was made for, under its structure key.
+        self.structures: StructureCache[PlanRecord] = StructureCache()
         self.hits = 0
         self.misses = 0
 
@@ -240,22 +206,19 @@ class CheckpointMetadataCache:
     def get_metadata_caching_status(self) -> tuple[bool, bool]:
         return self.validated_cache_reuse, self.validated_loaded_metadata_reuse
 
-    def matches(self, signature: bytes, is_coordinator: bool) -> bool:
-        """Whether the cached plan was built for a state with this signature."""
-        if self.structure_signature != signature or self.cached_central_plan is None:
-            return False
-        return self.cached_global_metadata is not None or not is_coordinator
-
     def remember(
         self,
-        signature: bytes | None,
+        key: tuple | None,
+        record: PlanRecord | None,
         central_plan: SavePlan,
         local_plan: SavePlan | None,
         global_metadata: Metadata | None,
     ) -> None:
-        """Replace the cache by the result of a full planning."""
+        """Replace the cache by the result of a full planning (of a state whose structure
+        has ``key``; None: a state the walk cannot describe, never reused)."""
         self.structures.clear()
-        self.structure_signature = signature
+        if key is not None and record is not None:
+            self.structures.remember(key, record)
         self.cached_central_plan = central_plan
         self.cached_local_plan = local_plan
         if global_metadata is not None:
@@ -405,12 +368,6 @@ class Planning:
             ranks,
         )
 
-    def signature(self) -> bytes:
-        flat = getattr(self.planner, "state_dict", None)
-        if not isinstance(flat, Mapping):
-            flat = _flattened(self.state_dict)
-        return structure_signature(flat, self.context())
-
     def local_step(self) -> SavePlan:
         if not self.is_set_up:
             self.set_up()
@@ -421,20 +378,6 @@ class Planning:
     def global_step(self, all_local_plans: list[SavePlan]) -> list[SavePlan]:
         all_local_plans, self.global_metadata = self.planner.create_global_plan(all_local_plans)
         return self.writer.prepare_global_plan(all_local_plans)
-
-    def revalidate(self, cache: Any) -> tuple[bool, bytes | None]:
-        """Set up, then agree with every rank whether the cached plan still fits."""
-        signature: bytes | None = None
-        matches, error = False, None
-        try:
-            self.set_up()
-            signature = self.signature()
-            matches = cache.matches(signature, self.dist_wrapper.is_coordinator)
-        except Exception as exc:
-            error = exc
-        return agree(
-            matches, error, self.dist_wrapper, "DCP save planning (plan cache check)"
-        ), signature
 
     def plan_centrally(self) -> SavePlan:
         return self.dist_wrapper.reduce_scatter("plan", self.local_step, self.global_step)
@@ -473,51 +416,46 @@ def is_decentralized(planner: Any, writer: Any) -> bool:
     )
 
 
-def _flattened(state_dict: STATE_DICT_TYPE) -> Mapping[str, Any]:
-    """``state_dict`` flattened to dotted keys as torch's default save planner flattens it
-    (nested dicts and lists; sharded tensors left whole)."""
-    planner = DefaultSavePlanner(flatten_state_dict=True, flatten_sharded_tensors=False)
-    planner.set_up_planner(state_dict, is_coordinator=False)
-    return planner.state_dict
-
-
 # -- the steady-state check ------------------------------------------------------------------------
 
 
-def steady_state_plan(planning: Any, cache: Any) -> Any:
-    """The cached central plan if every rank's state matches its record of the same
-    planning generation, with the planner and writer set up for it; else None.
+def cached_plan(
+    planning: Planning, cache: CheckpointMetadataCache
+) -> tuple[SavePlan | None, Structure | None]:
+    """The cached central plan if every rank's state has the structure its cached plan was
+    made for, in the same planning generation, with the planner and writer set up for it
+    (else None); and this save's structure.
 
-    Collective (one small all-gather on a gloo group, see :func:`agree`); it also
-    carries set-up failures (a bad writer, an unusable directory): any rank's failure
-    raises on every rank.
+    Collective (one small all-gather on a gloo group, see :func:`agree`); it also carries
+    set-up failures (a bad writer, an unusable directory): any rank's failure raises on
+    every rank.
     """
     dw = planning.dist_wrapper
-    record: FlatRecord | None = None
-    leaves: list | None = None
+    structure: Structure | None = None
+    record: PlanRecord | None = None
     error: Exception | None = None
     try:
         check_writer(planning.writer)
-        if planner_supported(planning.planner):
-            structure = walk(planning.state_dict)
-            if structure is not None:
-                record = cache.structures.lookup((planning.context(), structure.key))
-                leaves = structure.leaves
-            if record is not None:
-                planning.set_up_writer()
+        structure = walk(planning.state_dict)
+        if structure is not None:
+            record = cache.structures.lookup((planning.context(), structure.key))
+        if record is not None and record.fqns is None:
+            planning.set_up()  # the planner's own set-up, for one that needs it
+        elif record is not None:
+            planning.set_up_writer()
     except Exception as exc:
         error = exc
     outcomes = _dist.agree(
-        "DCP save planning (steady-state check)",
+        "DCP save planning (plan cache check)",
         error,
         ints=(record is not None, record.generation if record is not None else -1),
         group=agreement_group(dw),
         local_only=not dw.use_dist or dw.get_world_size() == 1,
     )
     if not all(o.ints[0] for o in outcomes) or len({o.ints[1] for o in outcomes}) != 1:
-        return None
-    if record is None or leaves is None:  # this rank reported a match above
-        raise CheckpointingException("steady-state planning: a matched record went missing")
-    record.set_up(planning.planner, leaves, dw.is_coordinator)
-    planning.is_set_up = True
-    return cache.cached_central_plan
+        return None, structure
+    if record is None or structure is None:  # this rank reported a match above
+        raise CheckpointingException("planning: a matched plan record went missing")
+    if record.fqns is not None:
+        record.set_up(planning, structure.leaves)
+    return cache.cached_central_plan, structure

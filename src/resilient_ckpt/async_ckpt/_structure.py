@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from .._logging import get_logger
-from .._torch_compat import dtensor_specs, loaded_dtensor
+from .._torch_compat import dtensor_specs, is_sharded_tensor, loaded_dtensor
 from ._arena import Arena, ArenaPool
 from ._copy import (
     NO_DEVICE,
@@ -126,10 +126,6 @@ _AGAIN = "again"  # the token of a container met before in the same walk
 _LEAVES = "leaves"  # the token of a mapping of leaves walked at once (see _Walk.mapping)
 
 
-class _Unmodelled(Exception):
-    """The state holds something the walk does not model."""
-
-
 @dataclass(frozen=True, slots=True)
 class Structure:
     """One walk of a nested state (see the module docstring).
@@ -153,6 +149,7 @@ class _Walk:
         "dtensor",
         "dtensors",
         "leaves",
+        "others",
         "plain",
         "seen",
         "tensors",
@@ -168,6 +165,7 @@ class _Walk:
         self.leaves: list = []
         self.tensors: list = []
         self.dtensors: list = []
+        self.others: list = []
         self.values: list = []
         self.seen: dict[int, int] = {}
         self.plain = True
@@ -218,8 +216,9 @@ class _Walk:
     def sequence(self, obj: list | tuple) -> bool:
         """Walk a list or tuple; whether DCP walks it element by element."""
         kind = type(obj)
-        if kind is list:
+        if kind is not tuple:
             self.again(obj)
+            self.plain = self.plain and kind is list
         self.tokens.append((kind, len(obj)))
         mark = len(self.leaves)
         walked = False
@@ -248,10 +247,16 @@ class _Walk:
         if isinstance(obj, Mapping):
             self.mapping(obj)
             return True
-        if kind is list or kind is tuple:
+        if kind is tuple or isinstance(obj, list):
             return self.sequence(obj)
-        if isinstance(obj, (torch.Tensor, list)) or hasattr(obj, "__create_write_items__"):
-            raise _Unmodelled(kind.__name__)
+        if isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            # A ShardedTensor, another tensor subclass, an object that makes its own DCP
+            # write items: described one by one (:func:`_describe`).
+            self.tokens.append(kind)
+            self.leaves.append(obj)
+            self.others.append(obj)
+            self.plain = False
+            return isinstance(obj, torch.Tensor)
         self.tokens.append(kind)
         self.leaves.append(obj)
         if kind is float:
@@ -270,30 +275,37 @@ _UNIFORM = PLAIN_TENSOR_TYPES
 def _attributes(obj: Any) -> bytes | None:
     """An object's attributes as a comparable snapshot (their pickle), None if it has none."""
     attrs = vars(obj)
-    if not attrs:
-        return None
-    try:
-        return pickle.dumps(attrs, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # the full planning reports it, in its words
-        raise _Unmodelled(f"unpicklable attributes: {exc!r}") from exc
+    return pickle.dumps(attrs, protocol=pickle.HIGHEST_PROTOCOL) if attrs else None
+
+
+def _describe(obj: Any) -> Any:
+    """What DCP's write items for ``obj`` (not a plain tensor or a DTensor) depend on."""
+    if is_sharded_tensor(obj):  # the whole tensor's shards, and which this rank holds
+        return (obj.metadata(), [shard.metadata for shard in obj.local_shards()])
+    if hasattr(obj, "__create_write_items__"):
+        return obj.__create_write_items__("", obj)
+    return (type(obj), obj.shape, obj.dtype, obj.requires_grad, obj.layout)
 
 
 def walk(state: Mapping) -> Structure | None:
     """The structure of ``state`` (a mapping), or None if it holds what the walk does not
     model (see the module docstring)."""
+    if not isinstance(state, Mapping):
+        return None
     visit = _Walk()
     try:
         visit.mapping(state)
-        meta = tensor_meta(visit.tensors)
-    except Exception:  # _Unmodelled, or a tensor without strides
+        dtensors = visit.dtensors
+        key = (
+            visit.tokens,
+            tensor_meta(visit.tensors),
+            dtensor_specs(dtensors),
+            list(map(operator.attrgetter("requires_grad"), dtensors)),
+            list(map(_describe, visit.others)),
+        )
+    except Exception as exc:  # unpicklable attributes, a tensor without strides, ...
+        logger.debug("no structure for this state (planned in full): %r", exc)
         return None
-    dtensors = visit.dtensors
-    key = (
-        visit.tokens,
-        meta,
-        dtensor_specs(dtensors),
-        list(map(operator.attrgetter("requires_grad"), dtensors)),
-    )
     return Structure(key, visit.leaves, visit.tensors, visit.values, visit.plain)
 
 

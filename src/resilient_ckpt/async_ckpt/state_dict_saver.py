@@ -9,9 +9,9 @@ Planning is the expensive collective part: every rank's local plan goes to the c
 which builds the global plan and the metadata and scatters the plans back. For a state whose
 structure does not change between saves the result is the same every time, so it is cached
 (``enable_cache=True``). Unlike NVRx, the cache is *revalidated on every save*: each rank
-computes a structure signature of its state (:mod:`._planning`: keys, shapes, dtypes,
-sharding, planner settings) and one all-gather of two small integers per rank on a gloo group
-decides, identically everywhere, whether every rank's signature equals the cached one. If
+walks its state for its structure key (:mod:`._structure`: keys, shapes, dtypes, sharding;
+with the planner's settings) and one all-gather of two small integers per rank on a gloo
+group decides, identically everywhere, whether every rank's key equals the cached one. If
 not, all ranks re-plan and the cache is replaced, so a changed model never reuses a stale
 plan. The same collective carries "my set-up failed", so a bad directory on one rank makes
 every rank raise instead of leaving the others waiting in a collective.
@@ -67,14 +67,15 @@ from ..storage.commit import write_atomically
 from ._planning import (
     CheckpointMetadataCache,
     Planning,
+    PlanRecord,
     accepts,
+    cached_plan,
     check_state_dict,
     check_writer,
     is_decentralized,
-    record_structure,
-    steady_state_plan,
     verify_global_md_reuse,
 )
+from ._structure import Structure, walk
 from .filesystem_async import _wrap_exception_for_gather
 
 logger = get_logger(__name__)
@@ -227,18 +228,15 @@ def _plan(
     metadata of this save."""
     planning = Planning(state_dict, storage_writer, planner, dist_wrapper)
     started = time.perf_counter()
-    hit, signature, reused_loaded = False, None, False
+    central_plan, structure, reused_loaded = None, None, False
     # Every rank has planned as often as the others, so all take this branch or none.
-    steady = bool(cache and cache.misses) and not is_decentralized(planner, storage_writer)
-    central_plan = steady_state_plan(planning, cache) if steady else None
+    if cache is not None and cache.misses:
+        central_plan, structure = cached_plan(planning, cache)
+    elif cache is not None:
+        structure = walk(state_dict)
+    hit = central_plan is not None
     if central_plan is None:
         _check_inputs(state_dict, storage_writer, check_everywhere, check_group)
-        if cache is not None:
-            hit, signature = planning.revalidate(cache)
-            central_plan = cache.cached_central_plan if hit else None
-    elif cache is not None:
-        hit, signature = True, cache.structure_signature
-    if central_plan is None:
         with _as_rank_failure("DCP save planning"):
             if is_decentralized(planner, storage_writer):
                 loaded = cache.loaded_all_plans if cache is not None else None
@@ -247,9 +245,7 @@ def _plan(
             else:
                 central_plan = planning.plan_centrally()
     central_plan = planner.finish_plan(central_plan)
-    global_metadata = _update_cache(cache, hit, signature, central_plan, planning, reused_loaded)
-    if cache is not None and not (steady and hit):
-        record_structure(cache, state_dict, planner, planning.context())
+    global_metadata = _update_cache(cache, hit, structure, central_plan, planning, reused_loaded)
     plan_s = time.perf_counter() - started
     storage_writer.prepare_write_data(central_plan, planner)
     logger.info(
@@ -306,7 +302,7 @@ def _defer(
 def _update_cache(
     cache: CheckpointMetadataCache | None,
     hit: bool,
-    signature: bytes | None,
+    structure: Structure | None,
     central_plan: SavePlan,
     planning: Planning,
     reused_loaded: bool,
@@ -325,7 +321,11 @@ def _update_cache(
         cache.hits += 1
         metadata = cache.cached_global_metadata if is_coordinator else None
     else:
-        cache.remember(signature, central_plan, planning.local_plan, planning.global_metadata)
+        key = record = None
+        if structure is not None:
+            key = (planning.context(), structure.key)
+            record = PlanRecord.of(planning, structure, cache.misses + 1)
+        cache.remember(key, record, central_plan, planning.local_plan, planning.global_metadata)
         metadata = planning.global_metadata
     return copy.copy(metadata) if metadata is not None else None
 
