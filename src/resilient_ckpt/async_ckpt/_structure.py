@@ -39,6 +39,7 @@ the plans.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import pickle
 from collections import OrderedDict
@@ -120,8 +121,8 @@ def unchanged(
 
 # -- the structure ----------------------------------------------------------------------------
 
-_EXACT = frozenset({int, str, bytes, bool, type(None)})
-_SCALARS = _EXACT | {float}
+# Leaves whose pickle depends on their value alone, compared exactly (see _exact).
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 _AGAIN = "again"  # the token of a container met before in the same walk
 _LEAVES = "leaves"  # the token of a mapping of leaves walked at once (see _Walk.mapping)
 
@@ -197,13 +198,9 @@ class _Walk:
             if len(distinct) == 1 and tensor_kinds:
                 tensors = items
             else:
-                for value in items:
-                    kind = type(value)
-                    if kind is float:
-                        self.values.append(value.hex())
-                    elif kind in _SCALARS:
-                        self.values.append((kind, value))
-                tensors = [v for v in items if type(v) in tensor_kinds]
+                scalars = itertools.compress(items, map(_SCALARS.__contains__, kinds))
+                self.values.extend(map(_exact, scalars))
+                tensors = list(itertools.compress(items, map(tensor_kinds.__contains__, kinds)))
             if self.dtensor in tensor_kinds:
                 self.dtensors.extend(tensors)
                 self.plain = False
@@ -259,10 +256,8 @@ class _Walk:
             return isinstance(obj, torch.Tensor)
         self.tokens.append(kind)
         self.leaves.append(obj)
-        if kind is float:
-            self.values.append(obj.hex())  # exact: 0.0 == -0.0 but they pickle apart
-        elif kind in _EXACT:
-            self.values.append((kind, obj))
+        if kind in _SCALARS:
+            self.values.append(_exact(obj))
         else:  # a tuple subclass or any other object: its pickle may not follow equality
             self.plain = False
         return False
@@ -270,6 +265,12 @@ class _Walk:
 
 # Mappings whose values all have one of these types are walked by C-level passes.
 _UNIFORM = PLAIN_TENSOR_TYPES
+
+
+def _exact(value: Any) -> Any:
+    """A plain leaf's value, compared exactly: a float by its bits (``0.0 == -0.0``, but they
+    pickle apart)."""
+    return value.hex() if type(value) is float else (type(value), value)
 
 
 def _attributes(obj: Any) -> bytes | None:
