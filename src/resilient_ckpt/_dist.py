@@ -15,16 +15,17 @@
   :class:`~resilient_ckpt.errors.RankFailureError` (class chosen by :mod:`._rank_errors`)
   naming the failed ranks, instead of the healthy ones timing out in the next collective.
   Not torch's ``_DistWrapper.all_reduce``: it gathers on a coordinator, runs on the user's
-  group and raises a ``BaseException``.
+  group and raises a ``BaseException``. :func:`run_agreed` and its two variants run a step
+  here and agree its outcome, the form most callers need.
 """
 
 from __future__ import annotations
 
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ import torch.distributed as dist
 from ._logging import get_logger
 from .config import default_timeouts
 from .errors import CheckpointingException, RemoteTraceback, UnsafeCheckpointError
+
+T = TypeVar("T")
 
 logger = get_logger(__name__)
 
@@ -220,6 +223,43 @@ def agree(
     if local_only:
         return [Outcome(me, values, payload)]
     return [Outcome(r, tuple(v), p) for r, (_, v, p) in enumerate(gathered)]
+
+
+def _attempt(step: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """``step()`` here: its value, or the exception :func:`agree` carries to every rank."""
+    try:
+        return step(), None
+    except Exception as exc:
+        return None, exc
+
+
+def run_agreed(what: str, step: Callable[[], T]) -> T:
+    """Run ``step`` here; raise on every rank if it failed on any (:func:`agree`).
+    Collective, on the library group."""
+    value, error = _attempt(step)
+    agree(what, error)
+    return value  # type: ignore[return-value]
+
+
+def run_agreed_gather(what: str, step: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
+    """Run ``step`` (returning ``(local, shared)``) here; ``local`` and every rank's
+    ``shared``, in one object all-gather. Raises on every rank if ``step`` failed on any."""
+    result, error = _attempt(step)
+    value, shared = result if result is not None else (None, None)
+    outcomes = agree(what, error, payload=shared, with_payload=True)
+    return value, [o.payload for o in outcomes]  # type: ignore[return-value]
+
+
+def run_agreed_int(
+    what: str, step: Callable[[], T], number: int, group: Any = None
+) -> tuple[T, list[int]]:
+    """:func:`run_agreed_gather` of one ``int``, carried in the tensor all-gather of the
+    failure flags (no object all-gather, no pickle). On ``group`` (default: the library
+    group; a deferred save's staging passes the background group)."""
+    value, error = _attempt(step)
+    shared = number if error is None and isinstance(number, int) else -1
+    outcomes = agree(what, error, ints=(shared,), group=group)
+    return value, [o.ints[0] for o in outcomes]  # type: ignore[return-value]
 
 
 def _group_rank(group: Any, local_only: bool) -> int:

@@ -252,7 +252,9 @@ def agreement_group(dist_wrapper: _DistWrapper) -> Any:
     return None if group is None or group == dist.group.WORLD else group
 
 
-def agree(ok: bool, error: BaseException | None, dist_wrapper: _DistWrapper, step: str) -> bool:
+def every_rank_ok(
+    ok: bool, error: BaseException | None, dist_wrapper: _DistWrapper, step: str
+) -> bool:
     """True iff ``ok`` on every planning rank; on any rank's ``error``, raise on every rank.
 
     One tensor all-gather on a gloo group (an object all-gather if the caller's group has
@@ -291,7 +293,7 @@ def verify_global_md_reuse(
     if not loaded_all_plans or len(loaded_all_plans) != dist_wrapper.get_world_size():
         return False
     ok = plan_matches_loaded(loaded_all_plans, local_plan, rank, dist_wrapper.get_world_size())
-    return agree(ok, None, dist_wrapper, "verify_global_md_reuse")
+    return every_rank_ok(ok, None, dist_wrapper, "verify_global_md_reuse")
 
 
 def check_writer(storage_writer: Any) -> None:
@@ -394,10 +396,10 @@ class Planning:
             matches = plan_matches_loaded(loaded, mine, dw.rank, dw.get_world_size())
         except Exception as exc:
             error = exc
-        reuse_loaded = agree(matches, error, dw, "DCP save planning (decentralized plan)") and bool(
-            loaded
-        )
-        local_plan = cast(SavePlan, self.local_plan)  # set: agree() raised otherwise
+        reuse_loaded = every_rank_ok(
+            matches, error, dw, "DCP save planning (decentralized plan)"
+        ) and bool(loaded)
+        local_plan = cast(SavePlan, self.local_plan)  # set: every_rank_ok raised otherwise
         if reuse_loaded and dw.is_coordinator:
             self.global_metadata = loaded_metadata
         elif not reuse_loaded:
@@ -426,7 +428,7 @@ def cached_plan(
     made for, in the same planning generation, with the planner and writer set up for it
     (else None); and this save's structure.
 
-    Collective (one small all-gather on a gloo group, see :func:`agree`); it also carries
+    Collective (one small all-gather on a gloo group, see :func:`every_rank_ok`); it also carries
     set-up failures (a bad writer, an unusable directory): any rank's failure raises on
     every rank.
     """

@@ -24,7 +24,6 @@ from .._rank_errors import RankFailureError, from_checkpoint_exception
 from ..async_ckpt.cached_metadata_filesystem_reader import WeightsOnlyLoadPlanner
 from ..async_ckpt.core import AsyncRequest
 from ..errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
-from ..local._agreement import agree
 from ..storage import get_backend
 from ..storage.commit import COMMIT_RECORD
 from . import _restore
@@ -76,7 +75,7 @@ class RestoreSteps:
             started = time.perf_counter()
             try:
                 record = self._shared_record(candidate, views)
-                reader = agree(
+                reader = _dist.run_agreed(
                     f"preparing the restore of {candidate.tier} step {candidate.step}",
                     functools.partial(self._reader, candidate, record, views[self.rank].listings),
                 )

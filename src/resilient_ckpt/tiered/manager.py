@@ -71,7 +71,6 @@ from ..errors import (
     ConfigurationError,
     QueueClosedError,
 )
-from ..local._agreement import agree
 from ..local.replication.group_utils import CliqueGroup, parse_group_sequence
 from ..local.replication.strategies import default_replication_jump
 from ..storage import get_backend
@@ -175,7 +174,7 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
         cliques = parse_group_sequence(jump, replication_factor, self.world_size)
         self.clique_ranks = next(c for c in cliques if self.rank in c)
         self._world_group, clique = self._make_groups(cliques)
-        agree("tiered manager set-up", self._prepare_dirs)
+        _dist.run_agreed("tiered manager set-up", self._prepare_dirs)
         self._queue = AsyncCallsQueue(persistent=True, timeouts=self.timeouts)
         self._cache = CheckpointMetadataCache()
         self._replicator = Replicator(

@@ -6,7 +6,7 @@ does for files.
 
 * **Agree before acting.** ``save`` checks the request on every rank (a TensorAwareStateDict,
   an iteration newer than any known, writable storage, a picklable non-tensor part) and
-  agrees the outcomes (:mod:`.._agreement`): a bad request fails everywhere with its cause
+  agrees the outcomes (:func:`..._dist.run_agreed`): a bad request fails everywhere with its cause
   instead of leaving the others waiting in the exchange.
 * **Three save paths, one commit.** Synchronous: replicate and write inline. Async: an
   ``AsyncRequest`` whose queue snapshots the tensors; replicated over a non-gloo group, the
@@ -50,7 +50,6 @@ from ...errors import (
 )
 from ...utils import debug_time
 from .. import _format, _nvrx_format
-from .._agreement import agree, agree_gather, agree_number
 from .._background import (
     BackgroundSaves,
     clique_for_background,
@@ -251,7 +250,7 @@ class BaseCheckpointManager(ABC):
         if is_async and self.defer_planning and self.repl_strategy is None:
             return self._deferred_request(state_dict, iteration)
         started = time.perf_counter()
-        layout, iterations = agree_number(
+        layout, iterations = _dist.run_agreed_int(
             "local checkpoint save", lambda: self._prepare(state_dict, iteration), iteration
         )
         if len(set(iterations)) != 1:
@@ -330,7 +329,7 @@ class BaseCheckpointManager(ABC):
         write_fn, targets = self._write_request(iteration, [my_id])
 
         def complete() -> None:
-            layout, iterations = agree_number(
+            layout, iterations = _dist.run_agreed_int(
                 "local checkpoint save",
                 lambda: self._prepare(state_dict, iteration),
                 iteration,
@@ -352,13 +351,13 @@ class BaseCheckpointManager(ABC):
         try:
             if strategy is None:
                 write_fn, targets = self._write_request(my_id[0], [my_id])
-                agree("local checkpoint write", lambda: write_fn(targets, [layout]))
+                _dist.run_agreed("local checkpoint write", lambda: write_fn(targets, [layout]))
                 return
             buffer = self._background.acquire(layout.size, default_timeouts().finalize)
             try:
                 write_into(layout, buffer)
                 own = ShardBuffer(buffer, crc_of(buffer))
-                agree(
+                _dist.run_agreed(
                     "local checkpoint write",
                     lambda: self._exchange_and_write(strategy, own, my_id),
                 )
@@ -439,7 +438,9 @@ class BaseCheckpointManager(ABC):
         # "finalize_fn took <seconds>s" of every save's finalize.
         with debug_time("finalize_fn", logger):
             try:
-                agree(f"commit of local checkpoint {iteration}", lambda: self._commit(iteration))
+                _dist.run_agreed(
+                    f"commit of local checkpoint {iteration}", lambda: self._commit(iteration)
+                )
             except CheckpointingException:
                 self._abandon(iteration)
                 raise
@@ -472,7 +473,7 @@ class BaseCheckpointManager(ABC):
         self._drop_cache()
         # Each rank's replication setup travels with its catalogue: cliques may differ in
         # size (NVRx allows any partition), and a rank's copies are checked against its own.
-        _, scans = agree_gather(
+        _, scans = _dist.run_agreed_gather(
             "local checkpoint scan",
             lambda: (None, (self._list_copies(set(self._inflight)), self._replication_params())),
         )
@@ -567,7 +568,7 @@ class BaseCheckpointManager(ABC):
         forwarded = forwarding is not None and forwarding.mine is not None
         if use_replicas and not any(c.owner == me for c in first) and not forwarded:
             self._expect_transfer(iteration)
-        _, verified = agree_gather(
+        _, verified = _dist.run_agreed_gather(
             "local checkpoint verification", lambda: (None, self._verify_all(first, forwarding))
         )
         owners_by_holder: list[list[int]] = [list(v) for v in verified]
@@ -582,7 +583,7 @@ class BaseCheckpointManager(ABC):
             for holder in range(world)
         ]
         if use_replicas and any(untried):
-            _, more = agree_gather(
+            _, more = _dist.run_agreed_gather(
                 "local checkpoint replica verification",
                 lambda: (None, self._verify_all(untried[me])),
             )
@@ -634,7 +635,7 @@ class BaseCheckpointManager(ABC):
         my_id = self._ckpt_id(self.latest_iteration)
         try:
             if self.repl_strategy is None:
-                buffer = agree("local checkpoint read", lambda: self._buffer_of(my_id))
+                buffer = _dist.run_agreed("local checkpoint read", lambda: self._buffer_of(my_id))
             else:
                 buffer = self._retrieve(my_id)
             state = self._rebuild(buffer, my_id)
@@ -656,7 +657,7 @@ class BaseCheckpointManager(ABC):
         source = copy.path if copy is not None else f"local checkpoint {my_id} (from a peer)"
         if not self.weights_only:
             return deserialize(buffer, source=source)
-        return agree(
+        return _dist.run_agreed(
             "local checkpoint load (weights_only=True)",
             lambda: deserialize(buffer, weights_only=True, source=source),
         )
@@ -675,7 +676,7 @@ class BaseCheckpointManager(ABC):
         if strategy is None:
             raise CheckpointingException("no replication strategy")
         plan = strategy.retrieve_plan(self.globally_available_ids, [my_id])
-        my_data: dict[Hashable, TensorAwareStateDict] = agree(
+        my_data: dict[Hashable, TensorAwareStateDict] = _dist.run_agreed(
             "local checkpoint read of copies to send",
             lambda: {i: ShardBuffer(self._buffer_of(i)) for i in plan.required_ids()},  # type: ignore[arg-type]
         )
