@@ -5,16 +5,11 @@ and prepares the write (trainer, collective); the write runs in the background (
 writer's save function in an ``AsyncRequest``); :func:`save_state_dict_async_finalize`
 gathers every rank's outcome and commits (trainer, collective, from a finalize function).
 
-Planning is the expensive collective part: every rank's local plan goes to the coordinator,
-which builds the global plan and the metadata and scatters the plans back. For a state whose
-structure does not change between saves the result is the same every time, so it is cached
-(``enable_cache=True``). Unlike NVRx, the cache is *revalidated on every save*: each rank
-walks its state for its structure key (:mod:`._structure`: keys, shapes, dtypes, sharding;
-with the planner's settings) and one all-gather of two small integers per rank on a gloo
-group decides, identically everywhere, whether every rank's key equals the cached one. If
-not, all ranks re-plan and the cache is replaced, so a changed model never reuses a stale
-plan. The same collective carries "my set-up failed", so a bad directory on one rank makes
-every rank raise instead of leaving the others waiting in a collective.
+Planning is the expensive collective part (every rank's local plan to the coordinator, the
+global plan and metadata back). Its result depends on the state's structure only, so it is
+cached (``enable_cache=True``) and, unlike NVRx, revalidated on every save with one small
+collective (:mod:`._planning`): a change on any rank makes every rank re-plan, and a set-up
+failure on any rank fails every rank instead of leaving the others in a collective.
 
 Finalize uses torch's ``_DistWrapper.all_reduce``: outcomes are gathered on the coordinator;
 if any rank failed, every rank raises :class:`~resilient_ckpt.errors.RankFailureError` (a
