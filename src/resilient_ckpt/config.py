@@ -43,7 +43,7 @@ RESILIENT_CKPT_NVRX_ALIAS        unset    alias ``nvidia_resiliency_ext`` in eve
 LOCAL_WORLD_SIZE                 -        ranks per node (``torchrun``): default replication jump
 ===============================  =======  ================================================
 
-See :mod:`resilient_ckpt.local._reader` (mmap), :mod:`resilient_ckpt.async_ckpt._read_once`
+See :mod:`resilient_ckpt.local._verified_read` (mmap), :mod:`resilient_ckpt.async_ckpt._read_once`
 (a reader's ``read_once=`` overrides the variable) and :mod:`resilient_ckpt.compat`.
 The ``resilient_ckpt_nvrx_alias.pth`` start-up hook only tests that ``..._NVRX_ALIAS`` is
 non-empty, so interpreters without it never import the package; :func:`nvrx_alias_requested`

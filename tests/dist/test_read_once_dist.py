@@ -31,7 +31,7 @@ from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
 from resilient_ckpt.errors import RankCheckpointReadError
 from resilient_ckpt.testing.faults import Action, Fault, Phase, flip_byte, inject
 from resilient_ckpt.testing.launcher import launch
-from resilient_ckpt.tiered._reader import VerifyingReader
+from resilient_ckpt.tiered._verifying_reader import VerifyingReader
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

@@ -28,7 +28,7 @@ from resilient_ckpt.async_ckpt.verify import verify_checkpoint
 from resilient_ckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from resilient_ckpt.tiered import _restore
 from resilient_ckpt.tiered._layout import scan_memory, step_name
-from resilient_ckpt.tiered._reader import VerifyingReader
+from resilient_ckpt.tiered._verifying_reader import VerifyingReader
 from tests._helpers import RunsCode, safe_globals
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]

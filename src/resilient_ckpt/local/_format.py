@@ -11,7 +11,7 @@ Decisions:
 
 * The hollow state is pickled once and the tensor bytes follow raw, so saving is one copy
   per tensor (into the exchange buffer, or straight from the tensors to the file) and
-  loading is one buffer (a mapping of the file, see :mod:`._reader`), the tensors being
+  loading is one buffer (a mapping of the file, see :mod:`._verified_read`), the tensors being
   *views* of it (64-byte alignment makes every dtype view legal). ``torch.save`` would
   copy each tensor into a zip container and allocate each tensor again on load.
 * Integrity is a CRC-32 of the whole byte string (zlib's, computed by the fastest
@@ -43,8 +43,10 @@ from ..async_ckpt._structure import tensor_meta, unchanged
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._pickled import PickledOnce, PickledValue, spliced
-from ._reader import check_against_manifest as check_against_manifest  # (re-exported:
-from ._reader import read_verified as read_verified  # verified reading lives in ._reader)
+from ._verified_read import check_against_manifest as check_against_manifest  # (re-exported:
+from ._verified_read import (
+    read_verified as read_verified,
+)  # verified reading lives in ._verified_read)
 from ._whole import WholeObject, snapshot_whole
 from .base_state_dict import TensorAwareStateDict
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder

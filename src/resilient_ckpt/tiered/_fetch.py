@@ -35,7 +35,7 @@ from .._logging import get_logger
 from ..errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
-    from ._reader import LocatingFileSystem
+    from ._verifying_reader import LocatingFileSystem
 
 logger = get_logger(__name__)
 

@@ -13,7 +13,7 @@ Every rank then computes the same ordered candidate list from the same gathered 
 
 The commit record of a memory step goes from the lowest rank that read it to all (ranks
 on a replaced node have none). The manager then tries the candidates in order with
-:class:`~._reader.VerifyingReader`; a candidate
+:class:`~._verifying_reader.VerifyingReader`; a candidate
 whose files turn out corrupt on every copy makes ``dcp.load`` fail on every rank, and the
 next one is tried. Nothing here reads data files: sizes come from directory listings, and
 checksums are checked while the data is read for the load itself.
@@ -46,7 +46,7 @@ from ._layout import (
     scan_memory,
     step_name,
 )
-from ._reader import VerifyingReader
+from ._verifying_reader import VerifyingReader
 from ._writes import file_table
 
 logger = get_logger(__name__)

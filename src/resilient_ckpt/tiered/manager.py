@@ -32,7 +32,7 @@ What runs where (see the modules for each decision):
 * ``maybe_finalize`` (trainer): agrees on finished worker calls (library gloo group),
   commits durable saves (``.metadata`` last, coordinator) and applies ``keep_durable``, and
   re-raises any failure of either tier, on every rank.
-* ``load``: :mod:`._restore` picks the candidates, :mod:`._reader` reads and verifies.
+* ``load``: :mod:`._restore` picks the candidates, :mod:`._verifying_reader` reads and verifies.
 
 What the training thread waits for: in ``save``, the plan (with a cached plan, one small
 gloo all-gather that revalidates it) and the staging copy (a memcpy of the state into the

@@ -28,7 +28,7 @@ import torch
 from ..._checksum import crc32
 from ..._logging import get_logger
 from .._manifest import CopyInfo
-from .._reader import check_against_manifest, map_private
+from .._verified_read import check_against_manifest, map_private
 from . import _chunked
 from .group_utils import CliqueGroup
 

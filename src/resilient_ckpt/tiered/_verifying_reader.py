@@ -10,7 +10,7 @@ over to the next candidate on any mismatch or error. A file with no valid copy r
 :class:`~resilient_ckpt.errors.CorruptCheckpointError`; ``dcp.load`` then fails on every
 rank and the manager tries an older checkpoint: wrong bytes are never loaded.
 
-Local copies are mapped and checksummed through the mapping (``local._reader``), and the
+Local copies are mapped and checksummed through the mapping (``local._verified_read``), and the
 tensors are copied once from the mapping into the targets (the async readers' ``read_items``;
 the tiered writer pads items so their records are aligned views). A memory-tier restore is
 therefore one checksum pass and one copy per byte; object-store copies are downloaded whole.
@@ -51,7 +51,7 @@ from .._torch_compat import has_stream_transforms
 from ..async_ckpt._read_once import ReadOnceReader
 from ..async_ckpt.cached_metadata_filesystem_reader import byte_view, read_items
 from ..errors import CorruptCheckpointError, StorageError
-from ..local._reader import check_against_manifest, read_verified
+from ..local._verified_read import check_against_manifest, read_verified
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ._fetch import exchange_missing
 from ._layout import METADATA_NAME

@@ -10,7 +10,7 @@ import torch
 
 from resilient_ckpt import _checksum
 from resilient_ckpt.errors import ConfigurationError, CorruptCheckpointError
-from resilient_ckpt.local import _reader
+from resilient_ckpt.local import _verified_read
 
 
 def _write(path, data: bytes) -> tuple[int, int]:
@@ -44,21 +44,21 @@ def test_both_paths_read_exact_bytes_and_reject_damage(tmp_path, monkeypatch, mm
     data = os.urandom((1 << 20) + 77)
     path = str(tmp_path / "copy.pt")
     size, crc = _write(path, data)
-    out = _reader.read_verified(path, size, crc)
+    out = _verified_read.read_verified(path, size, crc)
     assert out.dtype == torch.uint8 and bytes(out.numpy()) == data
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
-        _reader.read_verified(path, size, crc ^ 1)
+        _verified_read.read_verified(path, size, crc ^ 1)
     with pytest.raises(CorruptCheckpointError, match="size differs"):
-        _reader.read_verified(path, size + 1, crc)
+        _verified_read.read_verified(path, size + 1, crc)
     empty = str(tmp_path / "empty.pt")
-    assert _reader.read_verified(empty, *_write(empty, b"")).numel() == 0
+    assert _verified_read.read_verified(empty, *_write(empty, b"")).numel() == 0
 
 
 def test_mapped_copy_is_private_and_outlives_the_file(tmp_path):
     data = bytes(range(256)) * 4096
     path = str(tmp_path / "copy.pt")
     size, crc = _write(path, data)
-    out = _reader.read_verified(path, size, crc)
+    out = _verified_read.read_verified(path, size, crc)
     out[:16] = 0  # copy-on-write: the file keeps the verified bytes
     with open(path, "rb") as f:
         assert f.read() == data
@@ -71,4 +71,4 @@ def test_bad_mmap_setting_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("RESILIENT_CKPT_LOCAL_LOAD_MMAP", "maybe")
     path = str(tmp_path / "copy.pt")
     with pytest.raises(ConfigurationError, match="LOCAL_LOAD_MMAP"):
-        _reader.read_verified(path, *_write(path, b"x"))
+        _verified_read.read_verified(path, *_write(path, b"x"))
