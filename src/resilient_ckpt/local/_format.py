@@ -39,7 +39,7 @@ import torch
 from .. import _restricted_pickle
 from .._checksum import CrcPipe, crc32
 from ..async_ckpt._staging import TensorBatch
-from ..async_ckpt._structure import tensor_meta, unchanged
+from ..async_ckpt._structure import StructureCache, tensor_meta
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._pickled import PickledOnce, PickledValue, spliced
@@ -106,44 +106,44 @@ def _check_tensor(tensor: torch.Tensor, index: int) -> None:
 
 
 class RecordMemo:
-    """The records of a manager's last planned shard, and the check of the tensors they were
-    made from.
+    """The records of a manager's last planned shard, under the description of the tensors
+    they were made from.
 
-    Decision: a state that is planned in full at every save (any ``TensorAwareStateDict``
-    other than a steady ``BasicTensorAwareStateDict``, e.g. Megatron's) mostly pops the same
-    tensors each time. Their records (dtype, shape, offset, size, ``requires_grad``,
-    parameter or not) and the checks before them are functions of each tensor's class,
-    dtype, shape, ``requires_grad``, layout, device and ``_is_param`` flag alone. ``check``
-    (the staging's :func:`~..async_ckpt._structure.tensor_meta` of the tensors; it also
-    holds strides) and the ``_is_param`` flags equal, tensor by tensor, reuse the records
-    and their pickle. ``check`` is None before the first planning.
+    Decision: a state planned in full at every save (any ``TensorAwareStateDict`` other than
+    a steady ``BasicTensorAwareStateDict``, e.g. Megatron's) mostly pops the same tensors
+    each time. Their records (dtype, shape, offset, size, ``requires_grad``, parameter or
+    not) and the checks before them depend only on each tensor's description
+    (:func:`~..async_ckpt._structure.tensor_meta`) and ``_is_param`` flag, so those are the
+    key of a :class:`~..async_ckpt._structure.StructureCache` holding the records and their
+    pickle.
 
     ``splices``: the last planning's pickled constant parts (see :mod:`._pickled`), which a
     header refresh of a steady ``BasicTensorAwareStateDict`` reuses (:mod:`._shard_cache`).
     """
 
-    __slots__ = ("check", "flags", "records", "size", "splices")
-
     def __init__(self) -> None:
-        self.check: tuple[list, ...] | None = None
-        self.flags: list[bool] = []
-        self.records: PickledOnce = PickledOnce(())
-        self.size = 0
+        self._records: StructureCache[tuple[PickledOnce, int]] = StructureCache()
         self.splices: list[PickledValue] = []
 
-    def matches(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether ``tensors`` have the meta of the tensors last recorded."""
-        return self.check is not None and unchanged(tensor_meta, self.check, tensors)
+    @staticmethod
+    def _key(tensors: list[torch.Tensor], flags: list[bool]) -> tuple | None:
+        try:
+            return (tensor_meta(tensors), flags)
+        except Exception:  # a tensor without strides: _check_tensor reports it
+            return None
 
-    def holds(self, tensors: list[torch.Tensor], flags: list[bool]) -> bool:
-        """Whether the memo's records are those of ``tensors`` (with their ``_is_param``)."""
-        return flags == self.flags and self.matches(tensors)
+    def lookup(self, tensors: list[torch.Tensor], flags: list[bool]) -> tuple | None:
+        """``(records, size)`` made for tensors of this description, or None."""
+        return self._records.lookup(self._key(tensors, flags))
 
     def remember(
         self, tensors: list[torch.Tensor], flags: list[bool], records: PickledOnce, size: int
     ) -> None:
-        self.records, self.size, self.flags = records, size, flags
-        self.check = tensor_meta(tensors)  # the tensors passed _check_tensor: strided
+        key = self._key(tensors, flags)
+        if key is None:
+            self._records.clear()
+        else:
+            self._records.remember(key, (records, size))
 
 
 def _param_flags(tensors: list[torch.Tensor]) -> list[bool]:
@@ -184,8 +184,9 @@ def plan_shard(state: TensorAwareStateDict, memo: RecordMemo | None = None) -> S
         return plan_shard(snapshot_whole(state), memo)
     try:
         flags = _param_flags(tensors) if memo is not None else []
-        if memo is not None and memo.holds(tensors, flags):
-            records, size = memo.records, memo.size
+        found = memo.lookup(tensors, flags) if memo is not None else None
+        if found is not None:
+            records, size = found
         else:
             records, size = _records(tensors)
             if memo is not None:
