@@ -121,11 +121,12 @@ def __getattr__(name: str) -> Any:
 def loaded_dtensor() -> type | None:
     """``DTensor`` if its module is imported, else None (then no DTensor exists): for code
     that must recognise a DTensor without paying for the import."""
-    if any(
+    found = globals().get("DTensor")  # resolved by an earlier call: no import statement again
+    if found is None and any(
         name in sys.modules for name in ("torch.distributed.tensor", "torch.distributed._tensor")
     ):
-        return __getattr__("DTensor")
-    return None
+        found = __getattr__("DTensor")
+    return found
 
 
 def dtensor_specs(dtensors: Sequence[Any]) -> list[Any]:

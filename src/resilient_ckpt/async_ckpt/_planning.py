@@ -421,26 +421,36 @@ def is_decentralized(planner: Any, writer: Any) -> bool:
 # -- the steady-state check ------------------------------------------------------------------------
 
 
+def structure_key(planning: Planning) -> tuple[Structure | None, tuple | None]:
+    """This save's structure and its cache key ``(context, structure key)``, taken once and
+    before any set-up (a planner's own set-up may set attributes the context reads);
+    ``(None, None)`` for a state the walk cannot describe."""
+    structure = walk(planning.state_dict)
+    if structure is None:
+        return None, None
+    return structure, (planning.context(), structure.key)
+
+
 def cached_plan(
     planning: Planning, cache: CheckpointMetadataCache
-) -> tuple[SavePlan | None, Structure | None]:
+) -> tuple[SavePlan | None, Structure | None, tuple | None]:
     """The cached central plan if every rank's state has the structure its cached plan was
     made for, in the same planning generation, with the planner and writer set up for it
-    (else None); and this save's structure.
+    (else None); and this save's structure and key (:func:`structure_key`).
 
-    Collective (one small all-gather on a gloo group, see :func:`every_rank_ok`); it also carries
-    set-up failures (a bad writer, an unusable directory): any rank's failure raises on
-    every rank.
+    Collective (one small all-gather on a gloo group, see :func:`every_rank_ok`); it also
+    carries set-up failures (a bad writer, an unusable directory): any rank's failure raises
+    on every rank.
     """
     dw = planning.dist_wrapper
     structure: Structure | None = None
+    key: tuple | None = None
     record: PlanRecord | None = None
     error: Exception | None = None
     try:
         check_writer(planning.writer)
-        structure = walk(planning.state_dict)
-        if structure is not None:
-            record = cache.structures.lookup((planning.context(), structure.key))
+        structure, key = structure_key(planning)
+        record = cache.structures.lookup(key)
         if record is not None and record.fqns is None:
             planning.set_up()  # the planner's own set-up, for one that needs it
         elif record is not None:
@@ -455,9 +465,9 @@ def cached_plan(
         local_only=not dw.use_dist or dw.get_world_size() == 1,
     )
     if not all(o.ints[0] for o in outcomes) or len({o.ints[1] for o in outcomes}) != 1:
-        return None, structure
+        return None, structure, key
     if record is None or structure is None:  # this rank reported a match above
         raise CheckpointingException("planning: a matched plan record went missing")
     if record.fqns is not None:
         record.set_up(planning, structure.leaves)
-    return cache.cached_central_plan, structure
+    return cache.cached_central_plan, structure, key

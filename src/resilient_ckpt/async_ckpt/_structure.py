@@ -230,16 +230,14 @@ class _Walk:
     def value(self, obj: Any) -> bool:
         """Walk one value; whether it makes a list holding it walked by DCP."""
         kind = type(obj)
-        if kind in PLAIN_TENSOR_TYPES:
+        if kind in PLAIN_TENSOR_TYPES or kind is self.dtensor:
             self.tokens.append(kind)
             self.leaves.append(obj)
-            self.tensors.append(obj)
-            return True
-        if kind is self.dtensor:
-            self.tokens.append(kind)
-            self.leaves.append(obj)
-            self.dtensors.append(obj)
-            self.plain = False
+            if kind is self.dtensor:
+                self.dtensors.append(obj)
+                self.plain = False
+            else:
+                self.tensors.append(obj)
             return True
         if isinstance(obj, Mapping):
             self.mapping(obj)

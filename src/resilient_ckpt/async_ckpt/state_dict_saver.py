@@ -68,9 +68,10 @@ from ._planning import (
     check_state_dict,
     check_writer,
     is_decentralized,
+    structure_key,
     verify_global_md_reuse,
 )
-from ._structure import Structure, walk
+from ._structure import Structure
 from .filesystem_async import _wrap_exception_for_gather
 
 logger = get_logger(__name__)
@@ -223,12 +224,12 @@ def _plan(
     metadata of this save."""
     planning = Planning(state_dict, storage_writer, planner, dist_wrapper)
     started = time.perf_counter()
-    central_plan, structure, reused_loaded = None, None, False
+    central_plan, structure, key, reused_loaded = None, None, None, False
     # Every rank has planned as often as the others, so all take this branch or none.
     if cache is not None and cache.misses:
-        central_plan, structure = cached_plan(planning, cache)
+        central_plan, structure, key = cached_plan(planning, cache)
     elif cache is not None:
-        structure = walk(state_dict)
+        structure, key = structure_key(planning)
     hit = central_plan is not None
     if central_plan is None:
         _check_inputs(state_dict, storage_writer, check_everywhere, check_group)
@@ -240,7 +241,9 @@ def _plan(
             else:
                 central_plan = planning.plan_centrally()
     central_plan = planner.finish_plan(central_plan)
-    global_metadata = _update_cache(cache, hit, structure, central_plan, planning, reused_loaded)
+    global_metadata = _update_cache(
+        cache, hit, structure, key, central_plan, planning, reused_loaded
+    )
     plan_s = time.perf_counter() - started
     storage_writer.prepare_write_data(central_plan, planner)
     logger.info(
@@ -298,6 +301,7 @@ def _update_cache(
     cache: CheckpointMetadataCache | None,
     hit: bool,
     structure: Structure | None,
+    key: tuple | None,
     central_plan: SavePlan,
     planning: Planning,
     reused_loaded: bool,
@@ -316,9 +320,8 @@ def _update_cache(
         cache.hits += 1
         metadata = cache.cached_global_metadata if is_coordinator else None
     else:
-        key = record = None
+        record = None
         if structure is not None:
-            key = (planning.context(), structure.key)
             record = PlanRecord.of(planning, structure, cache.misses + 1)
         cache.remember(key, record, central_plan, planning.local_plan, planning.global_metadata)
         metadata = planning.global_metadata

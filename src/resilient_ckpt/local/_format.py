@@ -126,20 +126,19 @@ class RecordMemo:
         self.splices: list[PickledValue] = []
 
     @staticmethod
-    def _key(tensors: list[torch.Tensor], flags: list[bool]) -> tuple | None:
+    def key(tensors: list[torch.Tensor]) -> tuple | None:
+        """The records' key for ``tensors``; None for a tensor without strides
+        (``_check_tensor`` reports it)."""
         try:
-            return (tensor_meta(tensors), flags)
-        except Exception:  # a tensor without strides: _check_tensor reports it
+            return (tensor_meta(tensors), _param_flags(tensors))
+        except Exception:
             return None
 
-    def lookup(self, tensors: list[torch.Tensor], flags: list[bool]) -> tuple | None:
-        """``(records, size)`` made for tensors of this description, or None."""
-        return self._records.lookup(self._key(tensors, flags))
+    def lookup(self, key: tuple | None) -> tuple | None:
+        """``(records, size)`` made for tensors of this key, or None."""
+        return self._records.lookup(key)
 
-    def remember(
-        self, tensors: list[torch.Tensor], flags: list[bool], records: PickledOnce, size: int
-    ) -> None:
-        key = self._key(tensors, flags)
+    def remember(self, key: tuple | None, records: PickledOnce, size: int) -> None:
         if key is None:
             self._records.clear()
         else:
@@ -183,14 +182,14 @@ def plan_shard(state: TensorAwareStateDict, memo: RecordMemo | None = None) -> S
     except NotImplementedError:
         return plan_shard(snapshot_whole(state), memo)
     try:
-        flags = _param_flags(tensors) if memo is not None else []
-        found = memo.lookup(tensors, flags) if memo is not None else None
+        key = memo.key(tensors) if memo is not None else None
+        found = memo.lookup(key) if memo is not None else None
         if found is not None:
             records, size = found
         else:
             records, size = _records(tensors)
             if memo is not None:
-                memo.remember(tensors, flags, records, size)
+                memo.remember(key, records, size)
         try:
             target, splices = spliced(state)
             body = pickle.dumps((target, records), protocol=pickle.HIGHEST_PROTOCOL)
