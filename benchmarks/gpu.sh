@@ -11,6 +11,12 @@
 # deadline, so a hang costs its step, not the run. On an H200 (16 cores, 2026-11-27) the tests
 # took about 95 s, the benchmark (one first-save trial, no memory saves) 175 s and the suite
 # with 12 workers 220 s: the defaults fit one call of about ten minutes.
+#
+# Knobs (environment): GPU_BUDGET_S, GPU_TESTS_S (the gpu tests' deadline), GPU_BENCH_S (each
+# benchmark's), GPU_BENCH_SHAPES, GPU_BENCH_REPS, GPU_BENCH_FIRST (first-save trials),
+# GPU_BENCH_MEMORY (memory saves), GPU_BENCH_RANKS, and GPU_BENCH_BEFORE: a second checkout
+# (main before a change, say) benchmarked right after this one, for a before/after measured
+# on the same machine in the same call.
 set -u
 out=${1:-${OUT:-/tmp/rc_gpu}}
 py=${PYTHON:-python3}
@@ -26,19 +32,30 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())"
 
 echo "== tests marked gpu =="
-timeout 240 "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
+timeout "${GPU_TESTS_S:-240}" "$py" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
     -rfEs tests >"$out/gpu_tests.log" 2>&1
 echo "exit $?"
 grep -E "passed|failed|error" "$out/gpu_tests.log" | tail -5
 
-echo "== stall benchmark, state on cuda, $ranks rank(s) =="
-timeout 240 "$py" -m resilient_ckpt.cli.bench_stall --device cuda --ranks "$ranks" \
-    --reps "${GPU_BENCH_REPS:-5}" --warmups 2 --first-trials 2 --memory-saves 10 \
-    --json "$out/stall_cuda.json" >"$out/stall_cuda.log" 2>&1
-echo "exit $?"
-# Each shape's table is printed as it is done: cut short, the run still shows those.
-grep -v -e " INFO " -e "^\[rank" "$out/stall_cuda.log" | sed -n '/^Stall per save/,$p' | tail -70
-grep -E "Error|Traceback" "$out/stall_cuda.log" | head -5
+shapes=${GPU_BENCH_SHAPES:-2M/64,64M/2000,256M/8}
+# bench TREE TAG SECONDS: the stall benchmark of the checkout at TREE, its log and JSON as TAG.
+bench() {
+    echo "== stall benchmark of $1, state on cuda, $ranks rank(s), $shapes =="
+    PYTHONPATH="$1/src" timeout "$3" "$py" -m resilient_ckpt.cli.bench_stall --device cuda \
+        --ranks "$ranks" --shapes "$shapes" --reps "${GPU_BENCH_REPS:-5}" --warmups 2 \
+        --first-trials "${GPU_BENCH_FIRST:-2}" --memory-saves "${GPU_BENCH_MEMORY:-10}" \
+        --json "$out/$2.json" >"$out/$2.log" 2>&1
+    echo "exit $?"
+    # Each shape's table is printed as it is done: cut short, the run still shows those.
+    grep -v -e " INFO " -e "^\[rank" "$out/$2.log" | sed -n '/^Stall per save/,$p' | tail -70
+    grep -E "Error|Traceback" "$out/$2.log" | head -5
+}
+bench "$PWD" stall_cuda "${GPU_BENCH_S:-240}"
+# GPU_BENCH_BEFORE=DIR: the same benchmark of another checkout (say main before a change) in
+# the same run, for a before/after on the same machine.
+if [ -n "${GPU_BENCH_BEFORE:-}" ]; then
+    bench "$GPU_BENCH_BEFORE" stall_cuda_before "${GPU_BENCH_S:-240}"
+fi
 
 # The 2000-tensor shape again without torch's flows: does a flow's aftermath (torch 2.11
 # makes a fresh pinned stager per save) land in the next flow's stall?
