@@ -53,6 +53,14 @@ The private names, what each is for, the releases tested and the fallback:
     A DTensor's mesh, placements, global shape, stride and dtype in one object, read by the
     structure key of :mod:`resilient_ckpt.async_ckpt._structure` at every save. Tested: 2.13.
     Fallback: the same fields through the public attributes, each a Python-level property.
+``torch._C._dynamo.guards.TensorGuards`` (:func:`tensor_guard`)
+    ``torch.compile``'s check of its input tensors, in C++: Python type, dispatch keys (which
+    hold the device, the layout and the conjugate and negative bits), dtype, device index,
+    ``requires_grad``, sizes and strides. The structure check of
+    :mod:`resilient_ckpt.async_ckpt._structure` runs it on every tensor at every steady save.
+    Used only after a probe at first use shows it tells each of those fields apart; always
+    built with both keyword arguments, which its constructor reads unchecked. Tested: 2.13.
+    Fallback: None, and the caller reads the same fields from Python.
 ``torch.distributed._tensor`` (``DTensor``, ``Replicate``, ``Shard``, ``distribute_tensor``)
     Torch 2.4's home of DTensor; the public ``torch.distributed.tensor`` is used from 2.5 on.
     Tested: 2.13, which takes the public path.
@@ -92,6 +100,7 @@ __all__ = [
     "pending_sparse_tensors",
     "prefix_of",
     "storage_info",
+    "tensor_guard",
     "storage_prefix",
     "storage_type_dtypes",
     "unsafe_globals_in",
@@ -148,6 +157,57 @@ def _dtensor_spec() -> Callable[[Any], Any]:
         return (*_PUBLIC_SPEC(obj), obj.stride())
 
     return public
+
+
+def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any | None:
+    """A check of later tensors against the description of ``tensors``, position by
+    position (``guard.check(*later)``); it holds no reference to them. None where torch's
+    guard is missing or fails its probe, and for a tensor object met twice, which the guard
+    refuses (``torch.compile`` deduplicates its inputs). The guard compares dispatch keys under
+    the dispatch state of its construction, so a check under another (``inference_mode``)
+    only fails."""
+    make = _guard_maker()
+    if make is None or len(set(map(id, tensors))) != len(tensors):
+        return None
+    return make(tensors)
+
+
+@functools.cache
+def _guard_maker() -> Callable[[Sequence[torch.Tensor]], Any] | None:
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except Exception:  # no dynamo in this build
+        return None
+
+    def make(tensors: Sequence[torch.Tensor]) -> Any:
+        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+
+    try:
+        base = [torch.zeros(4), torch.zeros(2, 3)]
+        guard = make(base)
+        changed = [
+            [torch.zeros(5), base[1]],  # shape
+            [torch.zeros(4, dtype=torch.float64), base[1]],  # dtype
+            [torch.zeros(4, dtype=torch.int32), base[1]],  # dtype of the same size
+            [torch.zeros(4, requires_grad=True), base[1]],  # requires_grad
+            [torch.nn.Parameter(torch.zeros(4), requires_grad=False), base[1]],  # type
+            [torch.zeros(4, device="meta"), base[1]],  # device
+            [base[0], torch.zeros(3, 2).t()],  # stride
+            [torch.zeros(4).to_sparse(), base[1]],  # layout
+        ]
+        complex_ = torch.zeros(2, dtype=torch.complex64)
+        bits = make([complex_])  # the conjugate and negative bits: views of the same bytes
+        if (
+            guard.check(*base)
+            and not any(guard.check(*other) for other in changed)
+            and bits.check(complex_)
+            and not bits.check(complex_.conj())
+            and not bits.check(torch._neg_view(complex_))
+        ):
+            return make
+    except Exception:  # a changed private interface
+        pass
+    return None
 
 
 # -- torch releases ---------------------------------------------------------------------------

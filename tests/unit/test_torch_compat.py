@@ -300,3 +300,37 @@ for read in (c._dtensor_spec.__wrapped__(), None):
 dist.destroy_process_group()
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_tensor_check_by_torch_guard_and_by_its_fallback_tell_the_same_changes(
+    monkeypatch,
+) -> None:
+    """The structure's tensor check answers alike through torch's guard and through the
+    fields read from Python, for each field of a tensor's description; a tensor object met
+    twice and tensors that are not strided take the fallback or are refused."""
+    from resilient_ckpt.async_ckpt._structure import TensorCheck
+
+    base = [torch.zeros(4), torch.zeros(2, 3), torch.zeros(2, dtype=torch.complex64)]
+    changed = [
+        [torch.zeros(5), base[1], base[2]],  # shape
+        [torch.zeros(4, dtype=torch.int32), base[1], base[2]],  # dtype of the same size
+        [torch.zeros(4, requires_grad=True), base[1], base[2]],  # requires_grad
+        [torch.nn.Parameter(torch.zeros(4), requires_grad=False), base[1], base[2]],  # type
+        [torch.zeros(4, device="meta"), base[1], base[2]],  # device
+        [base[0], torch.zeros(3, 2).t(), base[2]],  # stride
+        [base[0], base[1], base[2].conj()],  # conjugate bit
+        [base[0], base[1]],  # count
+    ]
+    same = [torch.ones(4), torch.ones(2, 3), torch.ones(2, dtype=torch.complex64)]
+    answers = []
+    for guard in (True, False):
+        if not guard:
+            monkeypatch.setattr(_torch_compat, "_guard_maker", lambda: None)
+        assert (_torch_compat.tensor_guard(base) is not None) is guard
+        check = TensorCheck(base)
+        answers.append([check.matches(same), *map(check.matches, changed)])
+    assert answers[0] == answers[1] == [True] + [False] * len(changed)
+    assert _torch_compat.tensor_guard([base[0], base[0]]) is None  # refused by the guard
+    assert TensorCheck([base[0], base[0]]).matches([same[0], same[0]])
+    with pytest.raises(ValueError, match="not strided"):
+        TensorCheck([torch.zeros(4).to_sparse()])

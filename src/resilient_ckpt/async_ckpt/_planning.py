@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
@@ -209,16 +210,18 @@ class CheckpointMetadataCache:
     def remember(
         self,
         key: tuple | None,
+        tensors: Sequence[torch.Tensor],
         record: PlanRecord | None,
         central_plan: SavePlan,
         local_plan: SavePlan | None,
         global_metadata: Metadata | None,
     ) -> None:
         """Replace the cache by the result of a full planning (of a state whose structure
-        has ``key``; None: a state the walk cannot describe, never reused)."""
+        has ``key`` and plain tensors ``tensors``; None: a state the walk cannot describe,
+        never reused)."""
         self.structures.clear()
         if key is not None and record is not None:
-            self.structures.remember(key, record)
+            self.structures.remember(key, tensors, record)
         self.cached_central_plan = central_plan
         self.cached_local_plan = local_plan
         if global_metadata is not None:
@@ -450,7 +453,7 @@ def cached_plan(
     try:
         check_writer(planning.writer)
         structure, key = structure_key(planning)
-        record = cache.structures.lookup(key)
+        record = cache.structures.lookup(key, structure.tensors if structure else ())
         if record is not None and record.fqns is None:
             planning.set_up()  # the planner's own set-up, for one that needs it
         elif record is not None:

@@ -29,7 +29,8 @@ tensor. A state holding what the walk does not model (other tensor subclasses, o
 **The staging cache.** A save first pickles the request *optimistically*, with a reducer that
 answers its i-th call with the previous save's i-th result (a call is one tensor, or a whole
 batch of the staging layer), then checks that every tensor met, in order, has the previous
-save's layout (:func:`layouts`). Equal layouts mean equal descriptors, equal slot grouping and
+save's layout: its description (:class:`TensorCheck`) and where its bytes lie
+(:func:`storage_layout`). Equal layouts mean equal descriptors, equal slot grouping and
 equal copy ranges, so the cached copy plan copies exactly the bytes the full path would. The
 request's non-tensor part is pickled afresh every save. Any difference falls back to the full
 path, which rebuilds the cache. Only requests whose tensors are all strided are cached
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from .._logging import get_logger
-from .._torch_compat import dtensor_specs, is_sharded_tensor, loaded_dtensor
+from .._torch_compat import dtensor_specs, is_sharded_tensor, loaded_dtensor, tensor_guard
 from ._arena import Arena, ArenaPool
 from ._copy import (
     NO_DEVICE,
@@ -93,30 +94,50 @@ def tensor_meta(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
     )
 
 
-def layouts(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
-    """The whole layout of every tensor: :func:`tensor_meta` and where its bytes lie.
-    Two requests whose layouts are equal stage to the same descriptors, slots and copy
-    ranges. Raises for a tensor without strides or without a strided storage."""
+_LAYOUT = operator.attrgetter("layout")
+
+
+class TensorCheck:
+    """Whether later tensors are described as ``tensors`` were (:func:`tensor_meta`), position
+    by position. It holds no tensor.
+
+    Decision: this check runs on every tensor at every steady save of every flow, in the save
+    call. It is done by ``torch.compile``'s own C++ tensor guard where that is usable
+    (:func:`~.._torch_compat.tensor_guard`), as reading the fields from Python costs several
+    times more (docs/performance.md); else the fields are read and compared. Raises
+    ``ValueError`` for tensors that are not all strided: states holding such tensors are
+    planned in full at every save.
+    """
+
+    __slots__ = ("_count", "_guard", "_meta")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not set(map(_LAYOUT, tensors)) <= {torch.strided}:
+            raise ValueError("a tensor that is not strided")
+        self._count = len(tensors)
+        self._guard = tensor_guard(tensors)
+        self._meta = tensor_meta(tensors) if self._guard is None else None
+
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        if len(tensors) != self._count:
+            return False
+        try:
+            if self._guard is not None:
+                return bool(self._guard.check(*tensors))
+            return tensor_meta(tensors) == self._meta
+        except Exception:  # e.g. a sparse tensor: no strides
+            return False
+
+
+def storage_layout(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
+    """Where the bytes of every tensor lie: storage offset, storage address and storage size,
+    as columns. Raises for a tensor without a strided storage."""
     storages = list(map(torch.Tensor.untyped_storage, tensors))
     return (
-        *tensor_meta(tensors),
         list(map(torch.Tensor.storage_offset, tensors)),
         list(map(torch.UntypedStorage.data_ptr, storages)),
         list(map(torch.UntypedStorage.nbytes, storages)),
     )
-
-
-def unchanged(
-    read: Callable[[Sequence[torch.Tensor]], tuple[list, ...]],
-    expected: tuple[list, ...],
-    tensors: Sequence[torch.Tensor],
-) -> bool:
-    """Whether ``read(tensors)`` (:func:`layouts` or :func:`tensor_meta`) equals
-    ``expected``; False for tensors it cannot read (e.g. sparse: no strides)."""
-    try:
-        return read(tensors) == expected
-    except Exception:
-        return False
 
 
 # -- the structure ----------------------------------------------------------------------------
@@ -297,7 +318,6 @@ def walk(state: Mapping) -> Structure | None:
         dtensors = visit.dtensors
         key = (
             visit.tokens,
-            tensor_meta(visit.tensors),
             dtensor_specs(dtensors),
             list(map(operator.attrgetter("requires_grad"), dtensors)),
             list(map(_describe, visit.others)),
@@ -312,27 +332,41 @@ T = TypeVar("T")
 
 
 class StructureCache(Generic[T]):
-    """What one consumer derived from the last structure it planned for, under that key.
+    """What one consumer derived from the last structure it planned for: the product, under
+    that structure's key and the description of its plain tensors (:class:`TensorCheck`).
 
-    ``lookup`` with the key of this save's structure gives the product if the key is the one
-    remembered, else None; ``remember`` replaces it after a full planning; ``clear`` drops
-    it. Keys are compared whole: any change invalidates.
+    ``lookup`` gives the product if this save's key equals the remembered one and its tensors
+    are described as those were, else None; ``remember`` replaces it after a full planning
+    (and drops it for tensors that are not all strided); ``clear`` drops it. Any change
+    invalidates.
     """
 
     def __init__(self) -> None:
         self._key: tuple | None = None
+        self._check: TensorCheck | None = None
         self._product: T | None = None
 
-    def lookup(self, key: tuple | None) -> T | None:
+    def lookup(self, key: tuple | None, tensors: Sequence[torch.Tensor]) -> T | None:
         if key is None or self._product is None or key != self._key:
             return None
-        return self._product
+        assert self._check is not None
+        return self._product if self._check.matches(tensors) else None
 
-    def remember(self, key: tuple, product: T) -> None:
-        self._key, self._product = key, product
+    def remember(self, key: tuple, tensors: Sequence[torch.Tensor], product: T) -> None:
+        try:
+            check = TensorCheck(tensors)
+        except Exception as exc:  # not all strided, no strides, ...: never reused
+            logger.debug("not kept for reuse: %r", exc)
+            self.clear()
+            return
+        self._key, self._check, self._product = key, check, product
+
+    def keep_product(self, product: T) -> None:
+        """Replace the product kept under the same key and tensors (after a lookup hit)."""
+        self._product = product
 
     def clear(self) -> None:
-        self._key, self._product = None, None
+        self._key, self._check, self._product = None, None, None
 
 
 # -- the staging cache ------------------------------------------------------------------------
@@ -397,7 +431,8 @@ class StageCache:
         self._reduced: list[Any] | None = None
         self._counts: list[int] = []
         self._batch_dicts = True
-        self._layout: tuple[list, ...] | None = None
+        self._check: TensorCheck | None = None
+        self._storage: tuple[list, ...] = ()
         self._slots: tuple[Slot, ...] = ()
         self._total = 0
         self._threads = 0
@@ -409,7 +444,8 @@ class StageCache:
     def clear(self) -> None:
         self._reduced = None
         self._counts = []
-        self._layout = None
+        self._check = None
+        self._storage = ()
         self._shares = []
         self._device = NO_DEVICE
 
@@ -441,7 +477,8 @@ class StageCache:
             self.clear()
             return
         try:
-            layout = layouts(tensors)
+            check = TensorCheck(tensors)
+            storage = storage_layout(tensors)
         except Exception as exc:  # an exotic tensor: never reuse, stage fully
             logger.debug("staging cache disabled for this request: %r", exc)
             self.clear()
@@ -449,7 +486,8 @@ class StageCache:
         self._reduced = list(reduced)
         self._counts = list(counts)
         self._batch_dicts = batch_dicts
-        self._layout = layout
+        self._check = check
+        self._storage = storage
         self._slots = slots
         self._total = total
         self._threads = threads
@@ -461,13 +499,17 @@ class StageCache:
     ) -> tuple[bytes, list[torch.Tensor]] | None:
         """The payload of ``obj`` if its tensors are laid out as at the previous save, with
         the tensors met (to keep alive while copying); None on any difference."""
-        layout = self._layout
-        if self._reduced is None or layout is None or threads != self._threads:
+        check = self._check
+        if self._reduced is None or check is None or threads != self._threads:
             return None
         guess = _Guess(self._reduced, self._counts, self._batch_dicts)
         try:
             payload = dump(obj, guess)
-            if guess.calls != len(self._reduced) or not unchanged(layouts, layout, guess.tensors):
+            if (
+                guess.calls != len(self._reduced)
+                or not check.matches(guess.tensors)
+                or storage_layout(guess.tensors) != self._storage
+            ):
                 return None
         except Exception:  # _Miss, or anything the full path will report properly
             return None

@@ -323,7 +323,10 @@ def _update_cache(
         record = None
         if structure is not None:
             record = PlanRecord.of(planning, structure, cache.misses + 1)
-        cache.remember(key, record, central_plan, planning.local_plan, planning.global_metadata)
+        tensors = structure.tensors if structure is not None else []
+        cache.remember(
+            key, tensors, record, central_plan, planning.local_plan, planning.global_metadata
+        )
         metadata = planning.global_metadata
     return copy.copy(metadata) if metadata is not None else None
 

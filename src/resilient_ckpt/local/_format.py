@@ -39,7 +39,7 @@ import torch
 from .. import _restricted_pickle
 from .._checksum import CrcPipe, crc32
 from ..async_ckpt._staging import TensorBatch
-from ..async_ckpt._structure import StructureCache, tensor_meta
+from ..async_ckpt._structure import StructureCache
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._pickled import PickledOnce, PickledValue, spliced
@@ -113,9 +113,9 @@ class RecordMemo:
     a steady ``BasicTensorAwareStateDict``, e.g. Megatron's) mostly pops the same tensors
     each time. Their records (dtype, shape, offset, size, ``requires_grad``, parameter or
     not) and the checks before them depend only on each tensor's description
-    (:func:`~..async_ckpt._structure.tensor_meta`) and ``_is_param`` flag, so those are the
-    key of a :class:`~..async_ckpt._structure.StructureCache` holding the records and their
-    pickle.
+    (:class:`~..async_ckpt._structure.TensorCheck`) and ``_is_param`` flag, so a
+    :class:`~..async_ckpt._structure.StructureCache` keyed by the flags holds the records and
+    their pickle.
 
     ``splices``: the last planning's pickled constant parts (see :mod:`._pickled`), which a
     header refresh of a steady ``BasicTensorAwareStateDict`` reuses (:mod:`._shard_cache`).
@@ -125,28 +125,16 @@ class RecordMemo:
         self._records: StructureCache[tuple[PickledOnce, int]] = StructureCache()
         self.splices: list[PickledValue] = []
 
-    @staticmethod
-    def key(tensors: list[torch.Tensor]) -> tuple | None:
-        """The records' key for ``tensors``; None for a tensor without strides
-        (``_check_tensor`` reports it)."""
-        try:
-            return (tensor_meta(tensors), _param_flags(tensors))
-        except Exception:
-            return None
+    def lookup(self, tensors: list[torch.Tensor]) -> tuple | None:
+        """``(records, size)`` made for tensors described as ``tensors``, or None."""
+        return self._records.lookup(_param_flags(tensors), tensors)
 
-    def lookup(self, key: tuple | None) -> tuple | None:
-        """``(records, size)`` made for tensors of this key, or None."""
-        return self._records.lookup(key)
-
-    def remember(self, key: tuple | None, records: PickledOnce, size: int) -> None:
-        if key is None:
-            self._records.clear()
-        else:
-            self._records.remember(key, (records, size))
+    def remember(self, tensors: list[torch.Tensor], records: PickledOnce, size: int) -> None:
+        self._records.remember(_param_flags(tensors), tensors, (records, size))
 
 
-def _param_flags(tensors: list[torch.Tensor]) -> list[bool]:
-    return list(map(getattr, tensors, itertools.repeat("_is_param"), itertools.repeat(False)))
+def _param_flags(tensors: list[torch.Tensor]) -> tuple[bool, ...]:
+    return tuple(map(getattr, tensors, itertools.repeat("_is_param"), itertools.repeat(False)))
 
 
 def _records(tensors: list[torch.Tensor]) -> tuple[PickledOnce, int]:
@@ -182,14 +170,13 @@ def plan_shard(state: TensorAwareStateDict, memo: RecordMemo | None = None) -> S
     except NotImplementedError:
         return plan_shard(snapshot_whole(state), memo)
     try:
-        key = memo.key(tensors) if memo is not None else None
-        found = memo.lookup(key) if memo is not None else None
+        found = memo.lookup(tensors) if memo is not None else None
         if found is not None:
             records, size = found
         else:
             records, size = _records(tensors)
             if memo is not None:
-                memo.remember(key, records, size)
+                memo.remember(tensors, records, size)
         try:
             target, splices = spliced(state)
             body = pickle.dumps((target, records), protocol=pickle.HIGHEST_PROTOCOL)

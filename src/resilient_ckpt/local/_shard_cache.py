@@ -144,7 +144,9 @@ class ShardPlanCache:
             structure = walk(state.state_dict)
             if structure is not None and not structure.plain:
                 structure = None
-        cached = self._structures.lookup(structure.key if structure is not None else None)
+        cached = None
+        if structure is not None:
+            cached = self._structures.lookup(structure.key, structure.tensors)
         if structure is None or cached is None:
             return self._plan_full(state, plan_full, structure)
         layout = cached.layout
@@ -156,9 +158,7 @@ class ShardPlanCache:
             start = align(len(header))
             data_bytes = layout.size - layout.data_start
             layout = ShardLayout(header, [], layout.records, start, start + data_bytes)
-            self._structures.remember(
-                structure.key, _Cached(layout, structure.values, cached.placeholders)
-            )
+            self._structures.keep_product(_Cached(layout, structure.values, cached.placeholders))
             self.refreshes += 1
         self.hits += 1
         tensors = TensorBatch(structure.tensors)
@@ -179,5 +179,7 @@ class ShardPlanCache:
             return layout
         hollow = ShardLayout(layout.header, [], layout.records, layout.data_start, layout.size)
         placeholders = list(map(TensorPlaceholder.of, tensors))
-        self._structures.remember(structure.key, _Cached(hollow, structure.values, placeholders))
+        self._structures.remember(
+            structure.key, tensors, _Cached(hollow, structure.values, placeholders)
+        )
         return layout
