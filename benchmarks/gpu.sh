@@ -16,7 +16,9 @@
 # benchmark's), GPU_BENCH_SHAPES, GPU_BENCH_REPS, GPU_BENCH_FIRST (first-save trials),
 # GPU_BENCH_MEMORY (memory saves), GPU_BENCH_RANKS, and GPU_BENCH_BEFORE: a second checkout
 # (main before a change, say) benchmarked right after this one, for a before/after measured
-# on the same machine in the same call.
+# on the same machine in the same call. Size it: on the H200, torch's flows took seconds a
+# save at 1G/2000, so that shape with them did not finish in 160 s; 64M/2000 with every flow
+# took about 100 s a tree.
 set -u
 out=${1:-${OUT:-/tmp/rc_gpu}}
 py=${PYTHON:-python3}
