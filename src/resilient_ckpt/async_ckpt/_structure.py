@@ -342,31 +342,28 @@ class StructureCache(Generic[T]):
     """
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._check: TensorCheck | None = None
-        self._product: T | None = None
+        self._kept: tuple[tuple, TensorCheck, T] | None = None
 
     def lookup(self, key: tuple | None, tensors: Sequence[torch.Tensor]) -> T | None:
-        if key is None or self._product is None or key != self._key:
+        kept = self._kept
+        if key is None or kept is None or key != kept[0] or not kept[1].matches(tensors):
             return None
-        assert self._check is not None
-        return self._product if self._check.matches(tensors) else None
+        return kept[2]
 
     def remember(self, key: tuple, tensors: Sequence[torch.Tensor], product: T) -> None:
         try:
-            check = TensorCheck(tensors)
+            self._kept = (key, TensorCheck(tensors), product)
         except Exception as exc:  # not all strided, no strides, ...: never reused
             logger.debug("not kept for reuse: %r", exc)
-            self.clear()
-            return
-        self._key, self._check, self._product = key, check, product
+            self._kept = None
 
     def keep_product(self, product: T) -> None:
         """Replace the product kept under the same key and tensors (after a lookup hit)."""
-        self._product = product
+        if self._kept is not None:
+            self._kept = (self._kept[0], self._kept[1], product)
 
     def clear(self) -> None:
-        self._key, self._check, self._product = None, None, None
+        self._kept = None
 
 
 # -- the staging cache ------------------------------------------------------------------------

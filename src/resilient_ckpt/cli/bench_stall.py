@@ -26,11 +26,11 @@ For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) 
   ``LocalCheckpointManager.warmup(state, queue)`` for local saves) against the
   steady-state median.
 
-Every timed save (the references too) follows a pause of ``--gap-ms`` (default 100 ms),
-standing for the training step between two saves: back to back, the previous save's
-clean-up in its worker (releasing the request, a garbage collection) competes with the next
-save for the same cores, which a training job's saves, seconds apart, never see (measured on
-2 cores: the flow that ran right after another one stalled 1.2-1.3x longer).
+Every timed save (the references too) follows a pause of ``--gap-ms``, standing for the
+training step between two saves: back to back, the previous save's clean-up in its worker
+(releasing the request, a garbage collection) competes with the next save for the same
+cores, which a training job's saves, seconds apart, never see (on 2 cores, the flow that
+ran right after another one stalled longer).
 
 With ``--device cuda`` the state lives on the GPU (rank r on device ``r % count``): the
 reference is a pinned device-to-host copy of the same tensors, torch's stager gets pinned

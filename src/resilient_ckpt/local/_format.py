@@ -43,10 +43,10 @@ from ..async_ckpt._structure import StructureCache
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
 from . import _nvrx_format
 from ._pickled import PickledOnce, PickledValue, spliced
-from ._verified_read import check_against_manifest as check_against_manifest  # (re-exported:
-from ._verified_read import (
-    read_verified as read_verified,
-)  # verified reading lives in ._verified_read)
+from ._verified_read import (  # re-exported: verified reading lives in ._verified_read
+    check_against_manifest as check_against_manifest,
+)
+from ._verified_read import read_verified as read_verified
 from ._whole import WholeObject, snapshot_whole
 from .base_state_dict import TensorAwareStateDict
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
