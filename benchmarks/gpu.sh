@@ -14,7 +14,8 @@
 #
 # Knobs (environment): GPU_BUDGET_S, GPU_TESTS_S (the gpu tests' deadline), GPU_BENCH_S (each
 # benchmark's), GPU_BENCH_SHAPES, GPU_BENCH_REPS, GPU_BENCH_FIRST (first-save trials),
-# GPU_BENCH_MEMORY (memory saves), GPU_BENCH_RANKS, and GPU_BENCH_BEFORE: a second checkout
+# GPU_BENCH_MEMORY (memory saves), GPU_BENCH_RANKS, GPU_BENCH_SKIP (flows to leave out, as
+# bench_stall's --skip), and GPU_BENCH_BEFORE: a second checkout
 # (main before a change, say) benchmarked right after this one, for a before/after measured
 # on the same machine in the same call. Size it: on the H200, torch's flows took seconds a
 # save at 1G/2000, so that shape with them did not finish in 160 s; 64M/2000 with every flow
@@ -46,7 +47,7 @@ bench() {
     PYTHONPATH="$1/src" timeout "$3" "$py" -m resilient_ckpt.cli.bench_stall --device cuda \
         --ranks "$ranks" --shapes "$shapes" --reps "${GPU_BENCH_REPS:-5}" --warmups 2 \
         --first-trials "${GPU_BENCH_FIRST:-2}" --memory-saves "${GPU_BENCH_MEMORY:-10}" \
-        --json "$out/$2.json" >"$out/$2.log" 2>&1
+        --skip "${GPU_BENCH_SKIP:-}" --json "$out/$2.json" >"$out/$2.log" 2>&1
     echo "exit $?"
     # Each shape's table is printed as it is done: cut short, the run still shows those.
     grep -v -e " INFO " -e "^\[rank" "$out/$2.log" | sed -n '/^Stall per save/,$p' | tail -70
