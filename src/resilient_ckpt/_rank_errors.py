@@ -29,6 +29,7 @@ from .errors import (
     CheckpointReadError,
     ConfigurationError,
     CorruptCheckpointError,
+    InvalidRequestError,
     RemoteExceptionError,
     RemoteTraceback,
     StorageError,
@@ -173,6 +174,11 @@ class RankConfigurationError(RankFailureError, ConfigurationError):
     """A bad argument or setting on some ranks (a ``ConfigurationError`` on every rank)."""
 
 
+class RankInvalidRequestError(RankFailureError, InvalidRequestError):
+    """A request that cannot be honoured on some ranks (a value that cannot be pickled, a
+    wrong type): an ``InvalidRequestError`` and ``ValueError`` on every rank."""
+
+
 class RankStorageError(RankFailureError, StorageError):
     """Storage failed on some ranks (a ``StorageError`` and ``OSError`` on every rank)."""
 
@@ -214,6 +220,7 @@ class RankWorkerDiedError(RankFailureError, WorkerDiedError):
 
 _BY_CAUSE: dict[str, type[RankFailureError]] = {
     ConfigurationError.__name__: RankConfigurationError,
+    InvalidRequestError.__name__: RankInvalidRequestError,
     CheckpointReadError.__name__: RankCheckpointReadError,
     StorageError.__name__: RankStorageError,
     OSError.__name__: RankStorageError,  # a raw I/O error is a storage failure

@@ -27,6 +27,7 @@ _RANK_ERRORS = (
     "RankConfigurationError",
     "RankCorruptCheckpointError",
     "RankFailureError",
+    "RankInvalidRequestError",
     "RankStorageError",
     "RankUnsafeCheckpointError",
     "RankWorkerDiedError",

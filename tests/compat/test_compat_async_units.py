@@ -38,10 +38,12 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
 )
 from resilient_ckpt.config import Timeouts
 from resilient_ckpt.errors import (
+    AsyncCallFailedError,
     CheckpointTimeoutError,
     CheckpointWriteError,
     ConfigurationError,
     RemoteExceptionError,
+    StagingError,
     WorkerDiedError,
 )
 from resilient_ckpt.utils import preload_tensors
@@ -251,7 +253,10 @@ def test_old_style_request_and_noop_keep_their_finalizers(monkeypatch) -> None:
         queue.close(abort=True)
 
 
-def test_a_failed_schedule_enqueues_nothing(monkeypatch) -> None:
+def test_a_failed_schedule_is_a_failed_call_and_the_next_one_runs(monkeypatch) -> None:
+    """NVRx counts the call (its index is used) and raises; ours raises one of the package's
+    errors, chained to the cause, and keeps the call as a failed one, so every rank's finalize
+    agrees on it (a rank that caught the error stays in step)."""
     queue = AsyncCallsQueue()
     caller = _HeldCaller()
     monkeypatch.setattr(queue, "_get_async_caller", lambda: caller)
@@ -261,12 +266,15 @@ def test_a_failed_schedule_enqueues_nothing(monkeypatch) -> None:
 
     try:
         monkeypatch.setattr(caller, "schedule_async_call", refuse)
-        with pytest.raises(RuntimeError, match="schedule failed"):
+        with pytest.raises(StagingError, match="rank 0: async request 0 .*schedule failed"):
             queue.schedule_async_request(AsyncRequest(_noop, (), []))
+        assert queue.get_num_unfinalized_calls() == 1
+        with pytest.raises(AsyncCallFailedError, match="async request 0 could not be staged"):
+            queue.maybe_finalize_async_calls(no_dist=True)
         assert queue.get_num_unfinalized_calls() == 0
         monkeypatch.undo()
         monkeypatch.setattr(queue, "_get_async_caller", lambda: caller)
-        assert queue.schedule_async_request(AsyncRequest(_noop, (), [])) == 0
+        assert queue.schedule_async_request(AsyncRequest(_noop, (), [])) == 1
     finally:
         queue.close(abort=True)
 

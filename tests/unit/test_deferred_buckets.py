@@ -19,7 +19,11 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
-from resilient_ckpt.errors import CheckpointingException, ConfigurationError
+from resilient_ckpt.errors import (
+    AsyncCallFailedError,
+    CheckpointingException,
+    ConfigurationError,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -121,5 +125,9 @@ def test_a_late_resolution_failure_keeps_its_own_error(tmp_path) -> None:
             queue.schedule_async_request(AsyncRequest(save_fn, args, [], preload_fn=preload_fn))
         assert isinstance(info.value, CheckpointingException)
         assert "cannot be sent" not in str(info.value)
+        # Kept as a failed call: the finalize (every rank's, in a job) reports it once.
+        with pytest.raises(AsyncCallFailedError, match="tensor item"):
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert queue.get_num_unfinalized_calls() == 0
     finally:
         queue.close()

@@ -84,11 +84,21 @@ def test_exception_in_async_fn_carries_worker_traceback() -> None:
     queue.close()
 
 
-def test_unpicklable_request_raises_at_schedule() -> None:
+def test_unpicklable_request_raises_at_schedule_and_at_finalize(tmp_path) -> None:
     queue = AsyncCallsQueue(timeouts=FAST)
-    with pytest.raises(InvalidRequestError, match="cannot be sent"):
+    with pytest.raises(InvalidRequestError, match=r"request\['async_fn'\] \(a function\)"):
         queue.schedule_async_request(AsyncRequest(lambda: None, (), []))
+    # Kept as a failed call, so that finalizing it meets the other ranks' agreement on it.
+    assert queue.get_num_unfinalized_calls() == 1
+    with pytest.raises(AsyncCallFailedError, match="async request 0 cannot be staged"):
+        queue.maybe_finalize_async_calls(blocking=True)
     assert queue.get_num_unfinalized_calls() == 0
+    path = str(tmp_path / "next.pt")
+    queue.schedule_async_request(
+        AsyncRequest(_helpers.write_tensors, (path, {"x": torch.ones(2)}), [])
+    )
+    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    assert torch.equal(torch.load(path)["x"], torch.ones(2))
     queue.close()
 
 

@@ -31,6 +31,7 @@ import enum
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -43,13 +44,16 @@ import torch
 
 from .. import _dist
 from .._logging import get_logger
+from .._unpicklable import describe_unpicklable
 from ..config import Timeouts, default_timeouts
 from ..errors import (
     AsyncCallFailedError,
+    CheckpointingException,
     CheckpointTimeoutError,
     FrozenRequestError,
     InvalidRequestError,
     RemoteTraceback,
+    StagingError,
     WorkerDiedError,
 )
 from . import _reports
@@ -325,6 +329,79 @@ class AsyncCaller(ABC):
             self.close(abort=True)
         except Exception as exc:  # garbage collection must not raise; say what was lost
             logger.warning("could not stop the background process of a discarded caller: %s", exc)
+
+
+def is_agreed(exc: BaseException) -> bool:
+    """Whether ``exc`` is an agreement's verdict, raised on every rank alike (without loading
+    :mod:`resilient_ckpt._rank_errors`, which pulls in ``torch.distributed.checkpoint``)."""
+    rank_errors = sys.modules.get("resilient_ckpt._rank_errors")
+    return rank_errors is not None and isinstance(exc, rank_errors.RankFailureError)
+
+
+def staging_error(exc: Exception, request: AsyncRequest) -> Exception:
+    """What ``schedule_async_request`` raises when ``request`` could not be staged: where a
+    value of the request does not pickle, an :class:`InvalidRequestError` naming the rank,
+    the value's path in the request and its type; else ours as it is, or a
+    :class:`StagingError` naming the rank and the request; chained to the cause."""
+    if isinstance(exc, CheckpointingException) and not isinstance(exc, InvalidRequestError):
+        return exc
+    where = describe_unpicklable(
+        {
+            "async_fn": request.async_fn,
+            "async_fn_args": request.async_fn_args,
+            "async_fn_kwargs": request.async_fn_kwargs,
+            "preload_fn": request.preload_fn,
+        },
+        "request",
+    )
+    if where is None:
+        if isinstance(exc, CheckpointingException):
+            return exc
+        staging = StagingError(
+            f"rank {_dist.rank()}: async request {request.call_idx} could not be staged: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        staging.__cause__ = exc
+        return staging
+    cause = exc.__cause__ if isinstance(exc, InvalidRequestError) and exc.__cause__ else exc
+    error = InvalidRequestError(
+        f"rank {_dist.rank()}: async request {request.call_idx} cannot be staged: {where} "
+        f"cannot be pickled ({type(cause).__name__}: {cause}). Every value of a request "
+        "that is not a tensor must be picklable (no lambdas, local functions, open files or "
+        "locks; module-level functions or functools.partial of them)"
+    )
+    error.__cause__ = exc
+    return error
+
+
+class FailedCall(AsyncCaller):
+    """A call that failed before it reached a worker (while it was staged): settled at once,
+    so that finalizing it meets the other ranks in the same agreement as any other call, and
+    raises there on every rank, instead of this rank skipping the collective they are in."""
+
+    def __init__(self, call_idx: int, error: BaseException) -> None:
+        super().__init__()
+        named = f"rank {_dist.rank()}: async request {call_idx}"
+        text = str(error)
+        failure = AsyncCallFailedError(
+            text if text.startswith(named) else f"{named} failed while it was staged: {text}",
+            call_idx=call_idx,
+            failed_ranks=(_dist.rank(),),
+        )
+        failure.__cause__ = error
+        self.status = LocalStatus(State.FAILED, failure)
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        raise InvalidRequestError("a failed call cannot schedule requests")
+
+    def local_status(self, call_idx: int) -> LocalStatus:
+        return self.status
+
+    def wait_local(self, call_idx: int, timeout: float) -> LocalStatus:
+        return self.status
+
+    def close(self, abort: bool = False) -> list[int]:
+        return []
 
 
 def agree_on_call(

@@ -39,8 +39,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
+from .. import _dist
 from .._torch_compat import DTensor, Replicate, Shard
-from ..errors import CheckpointingException, ConfigurationError
+from .._unpicklable import describe_unpicklable
+from ..errors import CheckpointingException, ConfigurationError, InvalidRequestError
 from ._dcp_write import WriteBucket
 from ._staging import PLAIN_TENSOR_TYPES, SourcedBatch, TensorBatch
 
@@ -371,6 +373,26 @@ def _skeleton(plan: SavePlan, prefix: str, options: tuple) -> _Skeleton:
     return made
 
 
+def resolve_bytes(planner: SavePlanner, item: WriteItem, flat: dict[str, Any] | None) -> Any:
+    """A bytes item's data (the planner pickles its value); a value that cannot be pickled
+    is an :class:`InvalidRequestError` naming its key, the path inside it and the type."""
+    try:
+        return planner.resolve_data(item)
+    except CheckpointingException:
+        raise
+    except Exception as exc:
+        fqn = item.index.fqn
+        state = flat if flat is not None else getattr(planner, "state_dict", None)
+        value = state.get(fqn) if isinstance(state, dict) else None
+        where = describe_unpicklable(value, f"state[{fqn!r}]") if value is not None else None
+        raise InvalidRequestError(
+            f"rank {_dist.rank()}: {where or f'the value at key {fqn!r}'} cannot be saved: "
+            f"{type(exc).__name__}: {exc}. "
+            "Every value that is not a tensor must be picklable (no lambdas, open files, "
+            "locks or process groups)"
+        ) from exc
+
+
 def build_buckets(
     plan: SavePlan,
     planner: SavePlanner,
@@ -387,7 +409,7 @@ def build_buckets(
     flat = direct_lookup(planner)
     buckets: list[WriteBucket] = []
     for name, byte_items, blob in skeleton.files:
-        bytes_data: Any = [(item, planner.resolve_data(item)) for item in byte_items]
+        bytes_data: Any = [(item, resolve_bytes(planner, item, flat)) for item in byte_items]
         if flat is not None:
             # Lookups in the plan's flat state only (a DefaultSavePlanner's): deferred.
             tensor_data = ItemTensors.deferred(blob, _Resolver(blob, planner, flat))

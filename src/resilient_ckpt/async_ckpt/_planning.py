@@ -435,20 +435,26 @@ def structure_key(planning: Planning) -> tuple[Structure | None, tuple | None]:
 
 
 def cached_plan(
-    planning: Planning, cache: CheckpointMetadataCache
+    planning: Planning,
+    cache: CheckpointMetadataCache,
+    prepare: Callable[[SavePlan], SavePlan],
 ) -> tuple[SavePlan | None, Structure | None, tuple | None]:
-    """The cached central plan if every rank's state has the structure its cached plan was
-    made for, in the same planning generation, with the planner and writer set up for it
-    (else None); and this save's structure and key (:func:`structure_key`).
+    """The cached central plan, finished and prepared by ``prepare`` (the writer's data for
+    this save), if every rank's state has the structure its cached plan was made for, in the
+    same planning generation (else None); and this save's structure and key
+    (:func:`structure_key`).
 
-    Collective (one small all-gather on a gloo group, see :func:`every_rank_ok`); it also
-    carries set-up failures (a bad writer, an unusable directory): any rank's failure raises
-    on every rank.
+    Collective (one small all-gather on a gloo group): it also carries every failure of this
+    rank's part, from a bad writer to a value that cannot be pickled while the write is
+    prepared, so any rank's failure raises on every rank in this one agreement. A rank whose
+    record matched prepares before the agreement; when another rank's did not, the
+    preparation is redone after the full planning.
     """
     dw = planning.dist_wrapper
     structure: Structure | None = None
     key: tuple | None = None
     record: PlanRecord | None = None
+    prepared: SavePlan | None = None
     error: Exception | None = None
     try:
         check_writer(planning.writer)
@@ -456,8 +462,11 @@ def cached_plan(
         record = cache.structures.lookup(key, structure.tensors if structure else ())
         if record is not None and record.fqns is None:
             planning.set_up()  # the planner's own set-up, for one that needs it
-        elif record is not None:
+        elif record is not None and structure is not None:
             planning.set_up_writer()
+            record.set_up(planning, structure.leaves)
+        if record is not None and cache.cached_central_plan is not None:
+            prepared = prepare(cache.cached_central_plan)
     except Exception as exc:
         error = exc
     outcomes = _dist.agree(
@@ -468,9 +477,9 @@ def cached_plan(
         local_only=not dw.use_dist or dw.get_world_size() == 1,
     )
     if not all(o.ints[0] for o in outcomes) or len({o.ints[1] for o in outcomes}) != 1:
+        if record is not None and record.fqns is not None:
+            planning.is_set_up = False  # the full planning sets the planner up its own way
         return None, structure, key
-    if record is None or structure is None:  # this rank reported a match above
+    if prepared is None:  # this rank reported a match above
         raise CheckpointingException("planning: a matched plan record went missing")
-    if record.fqns is not None:
-        record.set_up(planning, structure.leaves)
-    return cache.cached_central_plan, structure, key
+    return prepared, structure, key

@@ -687,11 +687,18 @@ class DeferredList(list, DeferredArgument):
         self._complete: Callable[[], None] | None = complete
         self._what = what
         self._filled = False
+        self._planning = False
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
+    @property
+    def planning(self) -> bool:
+        """True while :meth:`resolve` runs the planning, the only time :meth:`fill` may run."""
+        return self._planning
+
     def fill(self, items: list) -> None:
-        """The planned contents (called while :meth:`resolve` runs)."""
+        """The planned contents (called while :meth:`resolve` runs; again if the planning
+        prepares the write twice, when a cached plan turns out not to fit every rank)."""
         self[:] = items
         self._filled = True
 
@@ -708,11 +715,14 @@ class DeferredList(list, DeferredArgument):
                 ) from self._error
             complete, self._complete = self._complete, None
             if complete is not None:
+                self._planning = True
                 try:
                     complete()
                 except BaseException as exc:
                     self._error = exc
                     raise
+                finally:
+                    self._planning = False
                 if not self._filled:
                     self._error = InvalidRequestError(f"the planning of {self._what} gave nothing")
                     raise self._error

@@ -7,7 +7,10 @@ Public, NVRx-compatible names: :class:`AsyncRequest`, :class:`AsyncCallsQueue`,
 Call protocol of :class:`AsyncCallsQueue` (every rank makes every call, in the same order):
 
 1. ``schedule_async_request(request)`` returns the call index. The request's tensors are
-   snapshotted before it returns; the write runs in the background.
+   snapshotted before it returns; the write runs in the background. A request that cannot
+   be staged (a value that does not pickle) raises here, on this rank only, and stays
+   queued as a failed call: the next finalize raises for it on every rank, so a rank that
+   catches the error and carries on stays in the same collectives as the others.
 2. ``maybe_finalize_async_calls(blocking, no_dist)`` finalizes, oldest first, each call that
    is done *on all ranks* (unless ``no_dist``): its finalize functions run in the trainer,
    once, in FIFO order, and its index is returned. A call that failed on any rank raises
@@ -31,8 +34,11 @@ from ..errors import QueueClosedError
 from ._callers import (
     AsyncCaller,
     AsyncRequest,
+    FailedCall,
     TemporalAsyncCaller,
     agree_on_call,
+    is_agreed,
+    staging_error,
     validate_request,
 )
 from ._copy import check_copy_threads
@@ -183,10 +189,25 @@ class AsyncCallsQueue:
         frozen = request.freeze()
         started = time.perf_counter()
         to_schedule = frozen._replace(call_idx=call_idx, finalize_fns=[])
-        if isinstance(caller, PersistentAsyncCaller):
-            caller.schedule_async_call(to_schedule, overlap_staging=overlap_staging)
-        else:  # a forked child snapshots by copy-on-write when it starts
-            caller.schedule_async_call(to_schedule)
+        try:
+            if isinstance(caller, PersistentAsyncCaller):
+                caller.schedule_async_call(to_schedule, overlap_staging=overlap_staging)
+            else:  # a forked child snapshots by copy-on-write when it starts
+                caller.schedule_async_call(to_schedule)
+        except Exception as exc:
+            if is_agreed(exc):
+                self.call_idx = call_idx
+                raise  # a deferred planning's: every rank raises it here, nothing to queue
+            # This rank raises now; the call stays queued as failed, so the next finalize
+            # meets the other ranks in their agreement on it and raises there on all of them.
+            error = staging_error(exc, to_schedule)
+            self.call_idx = call_idx
+            self.async_calls.append(
+                _ActiveAsyncRequest(call_idx, FailedCall(call_idx, error), frozen)
+            )
+            if error is exc:
+                raise
+            raise error from exc
         self.call_idx = call_idx
         self.timings[call_idx] = {"stall": time.perf_counter() - started}
         # Ownership of what the write reads ends here: the caller holds its snapshot (or,

@@ -392,12 +392,13 @@ class FileSystemWriterAsync(FileSystemWriter):
             separation_hint=self.separation_hint,
         )
         self._expected_files = [name for _, name, _ in buckets]
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
+        deferred = self._deferred
+        if deferred is not None and deferred.planning:
             # Completing a deferred save: its save function (bound to its job) and its
             # payload were handed out already; the payload gets the buckets.
             deferred.fill(buckets)
             return
+        self._deferred = None  # a deferred save of this writer's that is over
         self.write_buckets = buckets
         self._job = self._new_job()
         self.written_files = {}

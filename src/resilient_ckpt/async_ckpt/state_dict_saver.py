@@ -41,7 +41,7 @@ import copy
 import gc
 import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +64,7 @@ from ._planning import (
     Planning,
     PlanRecord,
     accepts,
+    agreement_group,
     cached_plan,
     check_state_dict,
     check_writer,
@@ -224,10 +225,20 @@ def _plan(
     metadata of this save."""
     planning = Planning(state_dict, storage_writer, planner, dist_wrapper)
     started = time.perf_counter()
+    prepare_s = 0.0
+
+    def prepare(plan: SavePlan) -> SavePlan:
+        nonlocal prepare_s
+        finished = planner.finish_plan(plan)
+        begun = time.perf_counter()
+        storage_writer.prepare_write_data(finished, planner)
+        prepare_s = time.perf_counter() - begun
+        return finished
+
     central_plan, structure, key, reused_loaded = None, None, None, False
     # Every rank has planned as often as the others, so all take this branch or none.
     if cache is not None and cache.misses:
-        central_plan, structure, key = cached_plan(planning, cache)
+        central_plan, structure, key = cached_plan(planning, cache, prepare)
     elif cache is not None:
         structure, key = structure_key(planning)
     hit = central_plan is not None
@@ -240,20 +251,39 @@ def _plan(
                 central_plan, reused_loaded = planning.plan_decentralized(loaded, loaded_md)
             else:
                 central_plan = planning.plan_centrally()
-    central_plan = planner.finish_plan(central_plan)
+        central_plan = _prepare_agreed(prepare, central_plan, dist_wrapper)
     global_metadata = _update_cache(
         cache, hit, structure, key, central_plan, planning, reused_loaded
     )
-    plan_s = time.perf_counter() - started
-    storage_writer.prepare_write_data(central_plan, planner)
+    plan_s = time.perf_counter() - started - prepare_s
     logger.info(
         "planned save to %s in %.4fs (%s), prepared write in %.4fs",
         getattr(storage_writer, "checkpoint_id", "?"),
         plan_s,
         "cached plan" if hit else "full planning",
-        time.perf_counter() - started - plan_s,
+        prepare_s,
     )
     return global_metadata
+
+
+def _prepare_agreed(
+    prepare: Callable[[SavePlan], SavePlan], central_plan: SavePlan, dist_wrapper: _DistWrapper
+) -> SavePlan:
+    """Prepare the write of a fully planned save, then agree on it: a rank that cannot (a
+    value that does not pickle) fails every rank here, not only itself while its peers go
+    on to stage and finalize. (With a cached plan the plan cache's agreement carries it.)"""
+    error: Exception | None = None
+    try:
+        central_plan = prepare(central_plan)
+    except Exception as exc:
+        error = exc
+    _dist.agree(
+        "DCP save planning (preparing the write)",
+        error,
+        group=agreement_group(dist_wrapper),
+        local_only=not dist_wrapper.use_dist or dist_wrapper.get_world_size() == 1,
+    )
+    return central_plan
 
 
 def _can_defer(

@@ -38,6 +38,7 @@ import torch
 
 from .. import _restricted_pickle
 from .._checksum import CrcPipe, crc32
+from .._unpicklable import describe_unpicklable
 from ..async_ckpt._staging import TensorBatch
 from ..async_ckpt._structure import StructureCache
 from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
@@ -183,10 +184,12 @@ def plan_shard(state: TensorAwareStateDict, memo: RecordMemo | None = None) -> S
             if memo is not None:
                 memo.splices = splices
         except Exception as exc:
+            where = describe_unpicklable(getattr(state, "state_dict", state))
             raise ConfigurationError(
-                f"the non-tensor part of the state cannot be pickled: {type(exc).__name__}: "
-                f"{exc}. Every value that is not a tensor must be picklable (no lambdas, open "
-                "files, locks or process groups)"
+                f"the non-tensor part of the state cannot be pickled"
+                f"{f': {where}' if where else ''}: {type(exc).__name__}: {exc}. Every value "
+                "that is not a tensor must be picklable (no lambdas, open files, locks or "
+                "process groups)"
             ) from exc
     finally:
         state.insert_tensors(tensors)
