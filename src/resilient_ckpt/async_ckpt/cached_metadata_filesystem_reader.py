@@ -54,7 +54,7 @@ from torch.futures import Future
 from .. import _restricted_pickle
 from .._torch_compat import REBUILD_TENSOR, has_stream_transforms, storage_type_dtypes
 from ..errors import CorruptCheckpointError
-from ..storage.base import get_backend, is_msc_url
+from ..storage import get_backend, is_msc_url
 from ..storage.commit import COMMIT_RECORD
 from ._read_once import ReadOnceReader, bytes_read_by_rank
 
