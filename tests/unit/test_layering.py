@@ -40,6 +40,7 @@ BASE, STORAGE, ASYNC, LOCAL, TIERED, FACES, TESTING = (
 RANK = {BASE: 0, STORAGE: 1, ASYNC: 2, LOCAL: 3, TIERED: 4, FACES: 5, TESTING: 5}
 LAYER_OF = {
     "errors": BASE,
+    "_exceptions": BASE,
     "_rank_errors": BASE,
     "config": BASE,
     "_logging": BASE,
@@ -301,7 +302,6 @@ def cycles(root: Path) -> dict[frozenset[str], str]:
 # Cycles that exist and are being broken (issue 46), each struck off by the change that
 # breaks it; the list only shrinks.
 KNOWN_CYCLES = {
-    frozenset({"_rank_errors", "errors"}),
     frozenset({"cli.checkpoints", "cli.conversion"}),
 }
 
