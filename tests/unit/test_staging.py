@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from resilient_ckpt.async_ckpt import _copy
-from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 from resilient_ckpt.async_ckpt._protocol import Channel, Hello, ProtocolError, Result
+from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 from resilient_ckpt.errors import InvalidRequestError
 from tests import _helpers
 
