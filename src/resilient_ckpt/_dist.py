@@ -5,8 +5,9 @@
   is collective, so it happens lazily in the first library call every rank makes anyway (a
   finalize, a local save); its timeout is the collective deadline (:mod:`.config`), so a
   vanished rank makes the others fail instead of wait. One group per default group.
-* **This rank** is the default group's rank (0 without one), from one function, so a log
-  line, a file name and an error never disagree about who "I" am.
+* **This rank** is the default group's rank (0 without one), from one function
+  (:mod:`._rank`, handed out here), so a log line, a file name and an error never disagree
+  about who "I" am.
 * **One agreement primitive**, :func:`agree`: a step that may have failed on some ranks
   becomes one outcome on every rank. The successful case is one tensor all-gather (a failure
   flag and a few integers) or one object all-gather (a payload). Only if a rank failed does a
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ._logging import get_logger
+from ._rank import has_process_group, is_distributed, rank, world_size  # noqa: F401
 from .config import default_timeouts
 from .errors import CheckpointingException, RemoteTraceback, UnsafeCheckpointError
 
@@ -39,26 +41,6 @@ T = TypeVar("T")
 logger = get_logger(__name__)
 
 _groups: dict[int, Any] = {}
-
-
-def has_process_group() -> bool:
-    """True once the default process group is initialised."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def is_distributed() -> bool:
-    """True when a default process group with more than one rank exists."""
-    return has_process_group() and dist.get_world_size() > 1
-
-
-def rank() -> int:
-    """This process's rank in the default group; 0 without a process group."""
-    return dist.get_rank() if has_process_group() else 0
-
-
-def world_size() -> int:
-    """Ranks in the default group; 1 without a process group."""
-    return dist.get_world_size() if has_process_group() else 1
 
 
 def library_group(timeout: float | None = None) -> Any:

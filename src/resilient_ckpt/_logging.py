@@ -11,13 +11,12 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
+from . import _rank
+
 
 def _process_rank() -> int | None:
     """This process's rank once a process group exists (no prefix before)."""
-    # Imported on use: _dist logs through this module, so it cannot be imported at the top.
-    from . import _dist
-
-    return _dist.rank() if _dist.has_process_group() else None
+    return _rank.rank() if _rank.has_process_group() else None
 
 
 class RankAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]

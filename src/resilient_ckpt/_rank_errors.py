@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import CheckpointException
 
-from .errors import (
+from ._exceptions import (
     AsyncCallFailedError,
     CheckpointingException,
     CheckpointReadError,

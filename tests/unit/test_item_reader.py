@@ -17,11 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resilient_ckpt.async_ckpt import cached_metadata_filesystem_reader as readers
+from resilient_ckpt.async_ckpt._dcp_items import ITEM_ALIGNMENT, item_tensor, map_file
 from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
-    ITEM_ALIGNMENT,
     CachedMetadataFileSystemReader,
-    item_tensor,
-    map_file,
 )
 from resilient_ckpt.async_ckpt.core import AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from resilient_ckpt.async_ckpt import _copy
+from resilient_ckpt.async_ckpt._protocol import Channel, Hello, ProtocolError, Result
 from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
-from resilient_ckpt.async_ckpt._worker import Channel, Hello, ProtocolError, Result
 from resilient_ckpt.errors import InvalidRequestError
 from tests import _helpers
 
@@ -130,7 +130,7 @@ def test_a_widened_channel_queues_a_large_payload_without_its_reader() -> None:
     import multiprocessing as mp
     import threading
 
-    from resilient_ckpt.async_ckpt._worker import Submit, widen_send_buffer
+    from resilient_ckpt.async_ckpt._protocol import Submit, widen_send_buffer
 
     a, b = mp.Pipe()
     widen_send_buffer(a)
@@ -152,7 +152,7 @@ def test_a_slot_table_travels_packed_and_arrives_as_the_plain_slots() -> None:
     import multiprocessing as mp
     import pickle
 
-    from resilient_ckpt.async_ckpt._worker import SlotTable, Submit
+    from resilient_ckpt.async_ckpt._protocol import SlotTable, Submit
 
     slots = [(i * 4096, 100 + i) for i in range(300)] + [(1 << 40, (1 << 35) + 3)]
     table = SlotTable(slots)
@@ -176,7 +176,7 @@ def test_a_slot_table_travels_packed_and_arrives_as_the_plain_slots() -> None:
 
 
 def test_staging_sends_its_slots_as_a_table() -> None:
-    from resilient_ckpt.async_ckpt._worker import SlotTable
+    from resilient_ckpt.async_ckpt._protocol import SlotTable
 
     pool = ArenaPool(1)
     base = torch.arange(10.0)

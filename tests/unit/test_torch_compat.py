@@ -148,7 +148,7 @@ def test_item_sizes_use_public_itemsize() -> None:
 def test_narrow_is_torch_narrowing() -> None:
     from torch.distributed._shard._utils import narrow_tensor_by_index
 
-    from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import _narrow
+    from resilient_ckpt.async_ckpt._dcp_items import _narrow
 
     tensor = torch.arange(60.0).reshape(3, 4, 5)
     for offsets, sizes in [((0, 0, 0), (3, 4, 5)), ((1, 0, 2), (2, 4, 3)), ((0, 3, 0), (3, 1, 5))]:

@@ -57,7 +57,8 @@ from ..errors import (
     WorkerDiedError,
 )
 from . import _reports
-from ._worker import RemoteFailure, Report, arm_parent_death_signal, receive_available
+from ._protocol import RemoteFailure, Report, receive_available
+from ._worker import arm_parent_death_signal
 
 logger = get_logger(__name__)
 

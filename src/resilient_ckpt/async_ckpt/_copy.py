@@ -57,7 +57,7 @@ import torch
 from .._torch_compat import cuda_devices_with_context
 from ..errors import ConfigurationError, StagingError
 from ._arena import Arena
-from ._worker import Slot
+from ._protocol import Slot
 
 # At most this many bytes between two host storages copied as one range; below the 4 KiB
 # page of every platform torch runs on (see the module docstring).

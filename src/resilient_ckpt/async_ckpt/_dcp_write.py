@@ -50,8 +50,8 @@ from ..errors import CheckpointWriteError
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.commit import atomic_file
 from . import _reports
+from ._dcp_items import ITEM_ALIGNMENT
 from ._worker import arm_parent_death_signal
-from .cached_metadata_filesystem_reader import ITEM_ALIGNMENT
 
 logger = get_logger(__name__)
 

@@ -1,16 +1,16 @@
 """``PersistentAsyncCaller``: one background worker process per queue, reused for every save.
 
-The trainer side of the protocol in :mod:`._worker`: the process, its connection, and the
+The trainer side of the protocol in :mod:`._protocol`: the process, its connection, and the
 requests in flight.
 
 * **Start**: a new interpreter (``subprocess``) running :mod:`._worker`'s bootstrap, at
   warm-up or on the first request, with this interpreter's options, standard streams (stdin
   excepted) and environment; its end of a socket pair goes by ``pass_fds``, then
-  ``sys.path`` and the :class:`~._worker.Setup` over it. Not ``multiprocessing``'s
+  ``sys.path`` and the :class:`~._protocol.Setup` over it. Not ``multiprocessing``'s
   ``spawn``: spawn imports the trainer's main module into the child, so an unguarded script,
   a ``python -c`` program or a notebook cell ran its training again in the worker, and it
   has no public switch to skip that (the main module is imported on demand, see
-  :mod:`._worker`).
+  :mod:`._main_module`).
 * **Handshake**: the worker is used once its ``Hello`` arrives within
   ``timeouts.worker_start``; one that exits first is reported with its exit code.
 * **Scheduling** stages the request into an arena (:mod:`._staging`), attaches the arena to
@@ -52,13 +52,11 @@ from ..errors import (
     InvalidRequestError,
     WorkerDiedError,
 )
-from . import _reports, _worker
+from . import _main_module, _reports, _worker
 from ._arena import Arena, ArenaPool
 from ._callers import AsyncCaller, AsyncRequest, LocalStatus, State, exit_description, failure_error
 from ._copy import DeviceOrder, check_copy_threads, make_side_streams, warm_threads
-from ._staging import PendingSnapshot, StagedRequest, prime, resolve_deferred, stage
-from ._structure import StageCache
-from ._worker import (
+from ._protocol import (
     AttachArena,
     Channel,
     DetachArena,
@@ -70,6 +68,8 @@ from ._worker import (
     receive_available,
     widen_send_buffer,
 )
+from ._staging import PendingSnapshot, StagedRequest, prime, resolve_deferred, stage
+from ._structure import StageCache
 
 logger = get_logger(__name__)
 
@@ -252,7 +252,7 @@ class PersistentAsyncCaller(AsyncCaller):
                     is_daemon=self.is_daemon,
                     name=f"resilient_ckpt-worker-{self.rank}",
                     argv=tuple(sys.argv),
-                    main_module=_worker.describe_main(),
+                    main_module=_main_module.describe_main(),
                     authkey=bytes(mp.current_process().authkey),
                 )
             )

@@ -53,6 +53,7 @@ from .._logging import get_logger
 from .._torch_compat import has_stream_transforms
 from ..config import read_once_enabled
 from ..errors import CheckpointReadError, CorruptCheckpointError
+from ._dcp_items import item_piece, item_tensor, load_item
 
 __all__ = ["ReadCounter", "ReadOnceReader", "ReadOrders", "bytes_read_by_rank", "plan_reads"]
 
@@ -313,7 +314,7 @@ class _Load:
             if piece is None:
                 piece = received[req.storage_index]
                 where = f"{where} (received)"
-            _archive().load_item(req, piece, self.planner, where, target)
+            load_item(req, piece, self.planner, where, target)
 
     def _file_order(self, entry: tuple[int, ReadItem]) -> tuple[str, int]:
         info = self.storage_data[entry[1].storage_index]
@@ -332,7 +333,6 @@ class _Load:
         names = sorted(per_file)
         self.reader._begin_reads(names)
         whole = self.reader._whole_files()
-        item_piece = _archive().item_piece
         for name in names:
             try:
                 data = self.reader._file_bytes(name)
@@ -358,7 +358,6 @@ class _Load:
         """Decode and check against the metadata the chunks this rank sends over NCCL, so a bad one
         fails the agreement rather than the transfer.
         """
-        item_tensor = _archive().item_tensor
         for _, items in self.orders.sends:
             for index in items:
                 if index in self.decoded or self._is_bytes(index):
@@ -566,10 +565,3 @@ def _describe(value: Any) -> str:
 
 def _checkpoint_name(reader: Any) -> str:
     return str(getattr(reader, "path", "") or "the checkpoint")
-
-
-def _archive() -> Any:
-    """The item decoder module (it imports this one, so imported on use)."""
-    from . import cached_metadata_filesystem_reader
-
-    return cached_metadata_filesystem_reader

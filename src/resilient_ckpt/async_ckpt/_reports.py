@@ -7,7 +7,7 @@ rank and save is a PUT, a GET and a DELETE on an object store, thousands of meta
 operations per save on a large job.
 
 :func:`post` goes, depending on where the background code runs, to a
-:class:`._worker.Report` message on the persistent worker's channel (sent at once, before
+:class:`._protocol.Report` message on the persistent worker's channel (sent at once, before
 the call's ``Result``, so a report can be taken while the call still runs), to the pipe of
 the child forked by :class:`._callers.TemporalAsyncCaller`, or, in the trainer itself
 (``execute_sync``, ``dcp.save``), straight into the inbox. A background process installs a

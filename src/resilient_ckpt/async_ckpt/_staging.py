@@ -81,8 +81,9 @@ from ._copy import (
     start_copies,
     storage_key,
 )
+from ._main_module import MainAwareUnpickler
+from ._protocol import Slot, SlotTable
 from ._structure import PLAIN_TENSOR_TYPES, StageCache
-from ._worker import MainAwareUnpickler, Slot, SlotTable
 
 logger = get_logger(__name__)
 

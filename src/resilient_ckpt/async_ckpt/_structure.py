@@ -63,7 +63,7 @@ from ._copy import (
     plan_shares,
     start_copies,
 )
-from ._worker import Slot
+from ._protocol import Slot
 
 if TYPE_CHECKING:  # _staging imports this module
     from ._staging import BatchedWhenPickled, SourcedBatch

@@ -19,7 +19,7 @@ import torch
 
 from ..config import Timeouts
 from ..errors import ConfigurationError
-from ..storage.base import get_backend, is_msc_url
+from ..storage import get_backend, is_msc_url
 from ..storage.commit import write_atomically
 from ..utils import iter_tensors, preload_tensors
 from ._staging import BatchedWhenPickled

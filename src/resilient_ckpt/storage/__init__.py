@@ -1,10 +1,11 @@
 """Storage backends: where checkpoint bytes go.
 
-:mod:`.base` is the interface and chooses a backend by URL, :mod:`.commit`
+:mod:`.base` is the interface, :mod:`.backends` chooses one by URL, :mod:`.commit`
 makes written bytes a checkpoint (and unmakes it), :mod:`.retention` prunes old ones.
 """
 
-from .base import Listing, StorageBackend, get_backend, is_msc_url, is_url, set_backend_wrapper
+from .backends import get_backend, set_backend_wrapper
+from .base import Listing, StorageBackend, is_msc_url, is_url
 from .posix import PosixBackend
 from .retention import CheckpointRef, list_checkpoints, prune_checkpoints
 

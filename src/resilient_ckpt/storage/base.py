@@ -10,17 +10,8 @@ readers treat a checkpoint without its commit record as absent. Retention calls 
 only on checkpoints older than one that is committed.
 
 Paths are strings. A POSIX path is a plain path; an object-store path is a URL whose scheme
-selects the backend (``msc://profile/key``), chosen by :func:`get_backend`: a plain path
-selects POSIX, ``msc://<profile>/<key>`` (or ``use_msc=True``) the object-store backend
-(:mod:`.msc`), any other URL is refused with what to write instead. Backends are imported
-lazily there, so an optional client library is needed only when its scheme is used; a new
-backend gets its scheme there.
-
-Instrumentation: :func:`set_backend_wrapper` routes every backend :func:`get_backend` hands
-out in this process through a wrapper (the fault-injection kit,
-:mod:`resilient_ckpt.testing.faults`, wraps the chosen backend to fail, delay or corrupt
-operations). A wrapper, not a subclass per backend, so it composes with any backend,
-including ones added later, and the backends stay free of test code.
+selects the backend (``msc://profile/key``): :mod:`.backends` chooses it, above the
+backends, which implement this interface.
 
 Directories. Object stores have none, only key prefixes: there ``makedirs`` does nothing,
 a "directory" exists while some object lies below it, and ``scan`` reports the next level
@@ -34,15 +25,10 @@ these operations in :mod:`.commit`, the same way for every backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, BinaryIO
-
-from ..errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from ..config import RetryPolicy
+from typing import BinaryIO
 
 
 @dataclass
@@ -121,50 +107,3 @@ def is_url(path: str) -> bool:
 
 def is_msc_url(path: object) -> bool:
     return isinstance(path, str) and path.startswith("msc://")
-
-
-BackendWrapper = Callable[[StorageBackend, str], StorageBackend]
-_backend_wrapper: BackendWrapper | None = None
-
-
-def set_backend_wrapper(wrapper: BackendWrapper | None) -> BackendWrapper | None:
-    """Make :func:`get_backend` return ``wrapper(backend, path)`` in this process (None:
-    plain backends again); returns the previous wrapper, to restore it."""
-    global _backend_wrapper
-    previous, _backend_wrapper = _backend_wrapper, wrapper
-    return previous
-
-
-def get_backend(
-    path: str, *, use_msc: bool = False, retry: RetryPolicy | None = None
-) -> StorageBackend:
-    """The backend for ``path``: ``msc://...`` (or ``use_msc``) -> MSC, else POSIX.
-
-    For an ``msc://`` path the profile is resolved here, so a missing package, config file
-    or profile raises :class:`~resilient_ckpt.errors.ConfigurationError` saying what to set.
-    ``retry`` overrides the process-wide retry policy of object-store operations.
-    """
-    backend = _select_backend(path, use_msc, retry)
-    wrapper = _backend_wrapper
-    return backend if wrapper is None else wrapper(backend, str(path))
-
-
-def _select_backend(path: str, use_msc: bool, retry: RetryPolicy | None) -> StorageBackend:
-    path = str(path)
-    if path.startswith("msc://") or use_msc:
-        if not path.startswith("msc://") and is_url(path):
-            raise ConfigurationError(
-                f"use_msc=True takes an msc://<profile>/<path> URL or a local path, got {path!r}"
-            )
-        from .msc import MscBackend  # optional client library: imported on first use
-
-        backend = MscBackend(retry=retry)
-        backend.check(path)
-        return backend
-    if is_url(path):
-        raise ConfigurationError(
-            f"unsupported storage URL {path!r}: use a local path or msc://<profile>/<path>"
-        )
-    from .posix import PosixBackend
-
-    return PosixBackend()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .._logging import get_logger
 from ..errors import ConfigurationError
-from .base import get_backend
+from .backends import get_backend
 from .commit import RecordCommit, is_committed_listing
 
 logger = get_logger(__name__)

@@ -48,8 +48,8 @@ from torch.futures import Future
 from .. import _checksum, _restricted_pickle
 from .._logging import get_logger
 from .._torch_compat import has_stream_transforms
+from ..async_ckpt._dcp_items import byte_view, read_items
 from ..async_ckpt._read_once import ReadOnceReader
-from ..async_ckpt.cached_metadata_filesystem_reader import byte_view, read_items
 from ..errors import CorruptCheckpointError, StorageError
 from ..local._verified_read import check_against_manifest, read_verified
 from ..storage import PosixBackend, StorageBackend, get_backend
