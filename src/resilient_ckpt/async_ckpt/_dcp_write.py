@@ -30,21 +30,24 @@ import heapq
 import io
 import multiprocessing as mp
 import os
+import pickle
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, cast
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._checksum import crc32
 from .._logging import get_logger
-from .._torch_compat import write_item
+from .._torch_compat import storage_info, write_item
 from ..config import RetryPolicy
 from ..errors import CheckpointWriteError
 from ..storage import PosixBackend, StorageBackend, get_backend
@@ -88,12 +91,74 @@ class WriteJob:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One written data file: its name, size, CRC32 and the DCP results of its items."""
+    """One written data file: its name, size, CRC32 and the DCP results of its items, as
+    :func:`encode_results` wrote them (decoded where a ``WriteResult`` is needed)."""
 
     name: str
     size: int
     crc32: int
-    results: list[WriteResult]
+    results: bytes
+
+
+# -- the write results, compact ----------------------------------------------------------------
+#
+# A file's results cross the worker's channel, and then the finalize's gather, as one bytes
+# object: rows of plain values, pickled by the worker. Pickling a ``WriteResult`` costs a
+# Python call for each of its objects, and thousands of them crossed two process boundaries
+# per save, to be used on one rank: the coordinator, which decodes each distinct bytes once
+# (:func:`decode_results`) and, in steady state, not at all.
+_ROWS, _OBJECTS = 0, 1
+
+
+def encode_results(results: Sequence[WriteResult]) -> bytes:
+    """``results`` as rows ``(fqn, offset, index, size, path, offset, length, transforms)``;
+    results whose storage data is not DCP's file location travel as objects."""
+    rows = []
+    for r in results:
+        info = r.storage_data
+        try:
+            where = (info.relative_path, info.offset, info.length, info.transform_descriptors)
+        except AttributeError:
+            return pickle.dumps((_OBJECTS, list(results)), protocol=pickle.HIGHEST_PROTOCOL)
+        offset = None if r.index.offset is None else tuple(r.index.offset)
+        rows.append((r.index.fqn, offset, r.index.index, r.size_in_bytes, *where))
+    return pickle.dumps((_ROWS, rows), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _decode(encoded: bytes) -> tuple[WriteResult, ...]:
+    kind, body = pickle.loads(encoded)
+    if kind == _OBJECTS:
+        return tuple(body)
+    return tuple(
+        WriteResult(
+            index=MetadataIndex(fqn, offset, index),
+            size_in_bytes=size,
+            storage_data=storage_info(path, at, length, transforms or ()),
+        )
+        for fqn, offset, index, size, path, at, length, transforms in body
+    )
+
+
+_decoded: OrderedDict[bytes, tuple[WriteResult, ...]] = OrderedDict()
+_decoded_lock = threading.Lock()
+# Distinct encodings kept decoded: a steady save's files, on every rank of a large job.
+_DECODED_KEPT = 1024
+
+
+def decode_results(encoded: bytes) -> tuple[WriteResult, ...]:
+    """The ``WriteResult`` objects of one file, decoded once per distinct encoding: a save
+    laid out as the last one finds its results decoded (they are immutable)."""
+    with _decoded_lock:
+        found = _decoded.get(encoded)
+        if found is not None:
+            _decoded.move_to_end(encoded)
+            return found
+    results = _decode(encoded)
+    with _decoded_lock:
+        _decoded[encoded] = results
+        while len(_decoded) > _DECODED_KEPT:
+            _decoded.popitem(last=False)
+    return results
 
 
 @dataclass
@@ -214,7 +279,7 @@ def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
                 stream.align(ITEM_ALIGNMENT)
             results.append(write_item(job.transforms, stream, compact(tensor), item, name))
         stream.flush()
-    return FileRecord(name, stream.size, stream.crc32, results)
+    return FileRecord(name, stream.size, stream.crc32, encode_results(results))
 
 
 # -- the lanes and the report ----------------------------------------------------------------

@@ -73,6 +73,7 @@ from ._dcp_write import (
     FileRecord,
     WriteBucket,
     WriteJob,
+    decode_results,
     run_write_job,
     take_report,
     write_file,
@@ -493,6 +494,12 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     def retrieve_write_results(self) -> list[WriteResult]:
         """This rank's write results; raises ``CheckpointWriteError`` if the write failed."""
+        return [result for rows in self.retrieve_write_rows() for result in decode_results(rows)]
+
+    def retrieve_write_rows(self) -> list[bytes]:
+        """This rank's write results as the background write encoded them, one ``bytes`` per
+        data file (what the finalize gathers, for the coordinator alone to decode); raises
+        ``CheckpointWriteError`` if the write failed."""
         if self._expected_files is None:
             what = (
                 "the deferred planning of this save did not run: its request was not staged"
@@ -507,7 +514,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             return []
         report = take_report(self._job)
         self.written_files = _checked_files(report, self._expected_files, self.checkpoint_dir)
-        return [result for record in report.files for result in record.results]
+        return [record.results for record in report.files]
 
     def finish(
         self,

@@ -59,6 +59,7 @@ from .._logging import get_logger
 from .._rank_errors import RankFailureError, from_checkpoint_exception, is_wrapped_failure
 from ..errors import CheckpointingException, ConfigurationError, InvalidRequestError
 from ..storage.commit import write_atomically
+from ._dcp_write import decode_results
 from ._planning import (
     CheckpointMetadataCache,
     Planning,
@@ -73,7 +74,7 @@ from ._planning import (
     verify_global_md_reuse,
 )
 from ._structure import Structure
-from .filesystem_async import _wrap_exception_for_gather
+from .filesystem_async import FileSystemWriterAsync, _wrap_exception_for_gather
 
 logger = get_logger(__name__)
 
@@ -457,10 +458,18 @@ def _share_created_metadata(writer: Any, dist_wrapper: _DistWrapper, path: str) 
 
 @dataclass
 class _RankOutcome:
-    """What each rank contributes to the commit: its write results and file checksums."""
+    """What each rank contributes to the commit: its write results (one encoded ``bytes``
+    per data file from our writers, decoded by the coordinator only; objects from others)
+    and its file checksums."""
 
-    write_results: list[WriteResult]
+    write_results: list[WriteResult] | list[bytes]
     file_checksums: dict[str, tuple[int, int]]
+
+    def decoded(self) -> list[WriteResult]:
+        results: list[Any] = self.write_results
+        if results and isinstance(results[0], bytes):
+            return [result for rows in results for result in decode_results(rows)]
+        return results
 
 
 def save_state_dict_async_finalize(
@@ -490,16 +499,18 @@ def save_state_dict_async_finalize(
         # A failure travels as a pickle-safe wrapped exception (an unpicklable one would
         # break the gather on this rank and leave the others waiting in it). NVRx-style
         # writers may also return the wrapped failure instead of raising it.
+        compact = _compact_results(storage_writer)
         try:
-            results = storage_writer.retrieve_write_results()
+            results = compact() if compact is not None else storage_writer.retrieve_write_results()
         except Exception as exc:
             return _wrap_exception_for_gather(exc)
         if is_wrapped_failure(results):
             return results
         checksums = dict(getattr(storage_writer, "written_files", {}) or {})
+        outcome = _RankOutcome(results, checksums)
         if reuse_metadata_obj is None:
-            return _RankOutcome(results, checksums)
-        mismatch = find_layout_mismatch(results, reuse_metadata_obj)
+            return outcome
+        mismatch = find_layout_mismatch(outcome.decoded(), reuse_metadata_obj)
         if mismatch is not None:
             return _wrap_exception_for_gather(_stale_error(dist_wrapper.get_rank(), mismatch))
         return _RankOutcome([], checksums)  # the prepared metadata already locates them
@@ -524,13 +535,25 @@ def save_state_dict_async_finalize(
 _find_layout_mismatch = find_layout_mismatch  # NVRx's name
 
 
+def _compact_results(writer: Any) -> Any:
+    """The writer's encoded results (``retrieve_write_rows``) when its write results are
+    ours as they are; None when a subclass or the caller replaced ``retrieve_write_results``
+    (NVRx's tests stub it), whose results then travel as they come."""
+    ours = FileSystemWriterAsync.retrieve_write_results
+    if getattr(type(writer), "retrieve_write_results", None) is not ours:
+        return None
+    if "retrieve_write_results" in vars(writer):
+        return None
+    return writer.retrieve_write_rows
+
+
 def _commit(writer: Any, metadata: Metadata | None, outcomes: list[_RankOutcome]) -> None:
     if metadata is None:
         raise InvalidRequestError(
             "the coordinator has no global metadata to commit: pass the result of "
             "save_state_dict_async_plan to save_state_dict_async_finalize unchanged"
         )
-    results = [outcome.write_results for outcome in outcomes]
+    results = [outcome.decoded() for outcome in outcomes]
     checksums: dict[str, tuple[int, int]] = {}
     for outcome in outcomes:
         checksums.update(outcome.file_checksums)

@@ -36,10 +36,16 @@ from typing import Any
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import WriteResult
 
 from .._logging import get_logger
-from ..async_ckpt._dcp_write import FileRecord, WriteBucket, WriteJob, run_write_job, write_file
+from ..async_ckpt._dcp_write import (
+    FileRecord,
+    WriteBucket,
+    WriteJob,
+    decode_results,
+    run_write_job,
+    write_file,
+)
 from ..async_ckpt.filesystem_async import FILE_TABLE_ATTR, FileSystemWriterAsync
 from ..async_ckpt.state_dict_saver import save_state_dict_async_finalize
 from ..errors import CheckpointWriteError, ConfigurationError, CorruptCheckpointError
@@ -129,7 +135,7 @@ class DurableCopyWriter(FileSystemWriterAsync):
     def job(self) -> WriteJob | None:
         return None if self.setup_error is not None else self._job
 
-    def retrieve_write_results(self) -> list[WriteResult]:
+    def retrieve_write_rows(self) -> list[bytes]:
         if self.setup_error is not None:
             raise CheckpointWriteError(
                 f"rank {self._rank()}: could not prepare {self.checkpoint_dir!r}: "
@@ -137,7 +143,7 @@ class DurableCopyWriter(FileSystemWriterAsync):
                 rank=self._rank(),
                 path=str(self.checkpoint_dir),
             ) from self.setup_error
-        return super().retrieve_write_results()
+        return super().retrieve_write_rows()
 
 
 def split_save_function(writer: FileSystemWriterAsync) -> tuple[WriteJob | None, Any, list]:
@@ -166,7 +172,7 @@ def commit_metadata_bytes(
         result.index: result.storage_data
         for records in reports
         for record in records
-        for result in record.results
+        for result in decode_results(record.results)
     }
     md.storage_meta = storage_meta
     table = {record.name: (record.size, record.crc32) for records in reports for record in records}
