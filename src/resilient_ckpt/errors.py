@@ -200,6 +200,12 @@ class CorruptCheckpointError(CheckpointingException):
         self.path = path
 
 
+class VerificationFailedError(CorruptCheckpointError):
+    """A readable checkpoint failed its checks (a size, a checksum) and a tool that would
+    carry its bytes on (``resilient-ckpt convert``) refused it; the message names what
+    failed and how to override."""
+
+
 class UnsafeCheckpointError(CheckpointingException, pickle.UnpicklingError):
     """A checkpoint file asked for a global that its kind of file never holds.
 
