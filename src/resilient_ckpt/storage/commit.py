@@ -104,7 +104,19 @@ class TempName:
             return True
         except OSError:  # EPERM: a process of another user has that pid
             return False
+        return _is_zombie(self.pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """A process that has exited and waits to be reaped (a killed trainer's worker, where
+    nothing reaps orphans); False where ``/proc`` cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
         return False
+    fields = stat[stat.rfind(b")") + 1 :].split()
+    return bool(fields) and fields[0] in (b"Z", b"X")
 
 
 def parse_temp_name(name: str) -> TempName | None:
