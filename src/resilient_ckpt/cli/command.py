@@ -252,7 +252,12 @@ def _trust_option(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resilient-ckpt", description=DESCRIPTION)
     _common_options(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="command",
+        help="one of these; `resilient-ckpt <command> --help` says more",
+    )
     p = sub.add_parser(
         "ls", help="list every checkpoint under directories (e.g. both tiers of a tiered one)"
     )
