@@ -94,6 +94,7 @@ def test_ls_calls_a_checkpoint_with_a_short_or_missing_file_incomplete(capsys, c
     truncate(second, 100)
     code, entry = _ls(capsys, path)
     assert code == 0 and entry["complete"] is False  # ls without --verify lists, never fails
+    assert entry["committed"] is True  # committed, and damaged: not a save in progress
     (problem,) = entry["problems"]
     assert os.path.basename(second) in problem and "bytes" in problem
     code, out, _ = _run(capsys, "ls", path)

@@ -108,6 +108,7 @@ def test_a_killed_async_dcp_save_is_seen_resumed_past_and_pruned(tmp_path, capsy
     code, entries = _ls(capsys, root)
     assert code == 0 and entries[os.path.join(root, "iter_0000010")]["complete"]
     assert entries[killed]["complete"] is False and entries[killed]["kind"] == "dcp"
+    assert entries[killed]["committed"] is False
     assert entries[killed]["problems"][0].startswith("not committed (incomplete)")
     assert main(["verify", root]) == 1 and "not committed" in capsys.readouterr().out
     assert latest_checkpoint(root) == os.path.join(root, "iter_0000010")

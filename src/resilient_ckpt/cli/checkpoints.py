@@ -97,6 +97,9 @@ class Entry:
     # torch file refused when verifying it); the command prints it and exits 2.
     error: str = ""
     exc: BaseException | None = field(default=None, repr=False)  # that error, for --debug
+    # A DCP checkpoint's commit record exists (None for other kinds): committed and not
+    # complete is a checkpoint whose files do not match its record, a damaged one.
+    committed: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return _as_dict(self)
@@ -152,6 +155,7 @@ def _dcp_entry(
     committed = is_committed_listing(listing)
     nbytes = sum(listing.files.values())
     entry = Entry("dcp", path, _iteration_of(path), nbytes=nbytes, complete=committed)
+    entry.committed = committed
     if not committed:
         entry.problems = [_uncommitted_problem(listing)]
         entry.verified = False if verify else None
