@@ -98,7 +98,8 @@ def _ls(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, 
 
 def test_a_killed_async_dcp_save_is_seen_resumed_past_and_pruned(tmp_path, capsys) -> None:
     root = str(tmp_path / "ckpt")
-    with pytest.raises(RankFailure, match="exit code -9"):
+    # A rank killed, or one that saw its peer die first (gloo: connection reset).
+    with pytest.raises(RankFailure):
         launch(_dcp_trainer_killed, 2, root, timeout=120)
     killed = os.path.join(root, "iter_0000020")
     assert ".metadata" not in os.listdir(killed)
@@ -124,19 +125,58 @@ def test_a_killed_async_dcp_save_is_seen_resumed_past_and_pruned(tmp_path, capsy
     assert latest_checkpoint(root) == os.path.join(root, "iter_0000030")
 
 
+# Each rank's worker SIGKILLs its trainer as it opens its data file, before creating it.
+_KILL_AT_OPEN = [
+    Fault(Phase.OPEN_WRITE, Action.KILL_PARENT, match="*.distcp"),
+    Fault(Phase.OPEN_WRITE, Action.DELAY, match="*.distcp", seconds=60),
+]
+
+
+def _dcp_trainer_killed_at_open(rank: int, world: int, root: str) -> None:
+    queue = AsyncCallsQueue()
+    _dcp_save(queue, _state(rank, 10), FileSystemWriterAsync(f"{root}/iter_0000010"))
+    path = f"{root}/iter_0000020"
+    _dcp_save(queue, _state(rank, 20), FaultyWriter(path, thread_count=1, faults=_KILL_AT_OPEN))
+    raise AssertionError("the trainer outlived its save of iteration 20")
+
+
+def _dcp_trainer_saves_30(rank: int, world: int, root: str) -> None:
+    queue = AsyncCallsQueue()
+    _dcp_save(queue, _state(rank, 30), FileSystemWriterAsync(f"{root}/iter_0000030"))
+    queue.close()
+
+
+def test_a_save_killed_before_its_first_file_leaves_an_empty_directory_that_is_seen(
+    tmp_path, capsys
+) -> None:
+    root = str(tmp_path / "ckpt")
+    with pytest.raises(RankFailure):
+        launch(_dcp_trainer_killed_at_open, 2, root, timeout=120)
+    killed = os.path.join(root, "iter_0000020")
+    assert os.listdir(killed) == []  # made at planning, in the trainer; no file opened
+    code, entries = _ls(capsys, root)
+    assert code == 0 and entries[killed]["complete"] is False
+    assert "it is empty" in entries[killed]["problems"][0]
+    assert latest_checkpoint(root) == os.path.join(root, "iter_0000010")
+    launch(_dcp_trainer_saves_30, 2, root, timeout=120)
+    assert main(["prune", root]) == 0 and os.listdir(root) == ["iter_0000030"]
+
+
 class KillsTrainerWhenSaved:
     """A state value whose pickling in the worker's ``torch.save`` (after the temporary file
     was opened) SIGKILLs the trainer. Pickled in the trainer first (to reach the worker),
-    where it only arms itself: the copy the worker unpickles is armed."""
+    where it only arms itself with the trainer's pid: the copy the worker unpickles kills
+    that process, while it is still the worker's parent (never one that adopted it)."""
 
-    def __init__(self, armed: bool = False) -> None:
-        self.armed = armed
+    def __init__(self, trainer: int | None = None) -> None:
+        self.trainer = trainer
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        if self.armed:
-            os.kill(os.getppid(), signal.SIGKILL)
+        if self.trainer is not None:
+            if os.getppid() == self.trainer:
+                os.kill(self.trainer, signal.SIGKILL)
             time.sleep(60)  # dies of its parent's death
-        return (KillsTrainerWhenSaved, (True,))
+        return (KillsTrainerWhenSaved, (os.getpid(),))
 
 
 def _torch_trainer_killed(rank: int, world: int, folder: str) -> None:

@@ -46,7 +46,7 @@ from ..storage.commit import (
     is_committed_listing,
     parse_temp_name,
 )
-from ..storage.retention import is_dcp_listing
+from ..storage.retention import checkpoint_dirs, is_dcp_listing
 from . import _trust
 from ._dcp_metadata import read_dcp_metadata
 
@@ -187,14 +187,15 @@ NOT_COMMITTED = "not committed (incomplete)"
 
 def _uncommitted_problem(listing: Listing) -> str:
     temporary = [n for n in listing.files if parse_temp_name(n) is not None]
-    held = (
-        f"only temporary files ({len(temporary)})"
-        if len(temporary) == len(listing.files)
-        else "data files"
-    )
+    if not listing.files:
+        held = "it is empty"
+    elif len(temporary) == len(listing.files):
+        held = f"it holds only temporary files ({len(temporary)})"
+    else:
+        held = "it holds data files"
     return (
-        f"{NOT_COMMITTED}: no {COMMIT_RECORD}, it holds {held}: a save in progress, or one "
-        "that was interrupted (prune removes it once a newer checkpoint is committed)"
+        f"{NOT_COMMITTED}: no {COMMIT_RECORD}, {held}: a save in progress, or one that was "
+        "interrupted (prune removes it once a newer checkpoint is committed)"
     )
 
 
@@ -278,8 +279,9 @@ def _walk(
     progress: Progress | None,
     trusted: bool,
     entries: list[Entry],
+    listing: Listing | None = None,
 ) -> None:
-    listing = backend.scan(path)
+    listing = backend.scan(path) if listing is None else listing
     if _is_dcp_listing(listing):
         entries.append(_dcp_entry(path, listing, verify, progress, trusted))
         return
@@ -298,8 +300,16 @@ def _walk(
             entries.append(_temp_entry(full, temp, listing.files[name], verify))
         elif name.endswith(TORCH_SUFFIXES) and not name.startswith("."):
             entries.append(_file_entry(full, listing.files[name], verify, progress, trusted))
-    for name in sorted(listing.dirs):
-        _walk(backend, backend.join(path, name), verify, progress, trusted, entries)
+    children = {name: backend.scan(backend.join(path, name)) for name in listing.dirs}
+    # An empty directory named as a checkpoint beside it is one: a save killed before
+    # its first file.
+    dcp = checkpoint_dirs(children)
+    for name, child in sorted(children.items()):
+        full = backend.join(path, name)
+        if name in dcp and not _is_dcp_listing(child):
+            entries.append(_dcp_entry(full, child, verify, progress, trusted))
+        else:
+            _walk(backend, full, verify, progress, trusted, entries, child)
 
 
 TORCH_SUFFIXES = (".pt", ".pth")

@@ -4,7 +4,9 @@ A root holds one checkpoint per sub-directory (``<root>/iteration-0010/``, as th
 pointed at). A checkpoint is *committed* when its commit record ``.metadata`` exists; its
 order is the last number in its name (the iteration), then the name. A sub-directory is a
 checkpoint when it holds the record, a data file (``*.distcp``) or the temporary file of one
-(a save killed before any file was renamed leaves only those): :func:`is_dcp_listing`.
+(a save killed before any file was renamed leaves only those): :func:`is_dcp_listing`; and
+when it is empty and named as such a sibling is, but for its numbers (a save killed between
+creating its directory and opening its first file): :func:`checkpoint_dirs`.
 
 Retention keeps the newest ``keep_latest`` committed checkpoints and deletes older ones only
 once a newer one is committed. A checkpoint without its commit record that is newer than
@@ -63,6 +65,22 @@ def is_dcp_listing(listing: Listing) -> bool:
     return False
 
 
+def _shape(name: str) -> str:
+    return re.sub(r"\d+", "#", name)
+
+
+def checkpoint_dirs(listings: dict[str, Listing]) -> dict[str, bool]:
+    """Which of a root's sub-directories (name -> its listing) are DCP checkpoints, and
+    whether each is committed (see the module docstring)."""
+    found = {n: is_committed_listing(lst) for n, lst in listings.items() if is_dcp_listing(lst)}
+    shapes = {_shape(n) for n in found}
+    for name, listing in listings.items():
+        empty = not listing.files and not listing.dirs
+        if name not in found and empty and _shape(name) in shapes:
+            found[name] = False
+    return found
+
+
 def _order(ref: CheckpointRef) -> tuple[int, str]:
     return (ref.iteration if ref.iteration is not None else -1, ref.name)
 
@@ -70,12 +88,11 @@ def _order(ref: CheckpointRef) -> tuple[int, str]:
 def list_checkpoints(root: str, *, use_msc: bool = False) -> list[CheckpointRef]:
     """DCP checkpoints directly below ``root``, oldest first (committed or not)."""
     backend = get_backend(root, use_msc=use_msc)
-    refs = []
-    for name in backend.scan(root).dirs:
-        path = backend.join(root, name)
-        listing = backend.scan(path)
-        if is_dcp_listing(listing):
-            refs.append(CheckpointRef(path, name, _iteration(name), is_committed_listing(listing)))
+    listings = {name: backend.scan(backend.join(root, name)) for name in backend.scan(root).dirs}
+    refs = [
+        CheckpointRef(backend.join(root, name), name, _iteration(name), committed)
+        for name, committed in checkpoint_dirs(listings).items()
+    ]
     return sorted(refs, key=_order)
 
 
