@@ -62,7 +62,6 @@ def test_only_ours_of_a_gone_writer_on_this_host_are_removed(tmp_path) -> None:
     foreign = _touch(str(tmp_path / f".step_5.pt.swp-{dead}@{host}"))
     complete = _touch(str(tmp_path / "step_0.pt"))
     assert stale_temp_files(str(tmp_path)) == [gone]
-    assert stale_temp_files(str(tmp_path), suffixes=(".distcp",)) == []
     assert remove_stale_temp_files(str(tmp_path)) == [gone]
     assert sorted(os.listdir(tmp_path)) == sorted(
         os.path.basename(p) for p in (live, elsewhere, unknown_host, foreign, complete)
@@ -79,11 +78,12 @@ def test_atomic_file_writes_under_the_writer_name(tmp_path) -> None:
     assert os.listdir(tmp_path) == ["a.pt"]
 
 
-def test_a_save_removes_the_leftovers_of_a_killed_writer(tmp_path) -> None:
+@pytest.mark.parametrize("persistent", [True, False], ids=["worker", "fork"])
+def test_a_save_removes_the_leftovers_of_a_killed_writer(tmp_path, persistent) -> None:
     host = _host_tag()
     gone = _touch(str(tmp_path / f".step_10.pt.tmp-{_dead_pid()}@{host}"))
     live = _touch(str(tmp_path / f".step_20.pt.tmp-{os.getpid()}@{host}"))
-    ckpt = TorchAsyncCheckpoint(persistent_queue=False)
+    ckpt = TorchAsyncCheckpoint(persistent_queue=persistent)
     try:
         ckpt.async_save({"w": torch.ones(3)}, str(tmp_path / "step_30.pt"))
         ckpt.finalize_async_save(blocking=True)

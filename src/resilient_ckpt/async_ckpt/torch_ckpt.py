@@ -11,8 +11,10 @@ upload completes: the same either-or without a rename.
 A trainer killed while its worker writes leaves the worker's temporary file
 (``.<name>.tmp-<pid>@<host>``, see :func:`~resilient_ckpt.storage.commit.temp_name`). Each
 save into a local folder removes the ones there whose writer is gone (same host, no such
-pid): never a live writer's, never a file of another name. A save cannot tell them from a
-file of the run that is still writing on another host, so those stay.
+pid): never a live writer's, never a file of another name; those of another host stay, as
+whether their writer lives cannot be known here. The writing process does this before it
+writes (the worker, for an async save), so the trainer's stall does not grow with the
+folder.
 
 Closing. ``finalize_async_save(terminate=True)`` finalizes and stops the worker; calling it
 again does nothing. A save after it starts a new worker, as NVRx's queue does (a restarted
@@ -40,7 +42,10 @@ logger = get_logger(__name__)
 
 
 def save_atomically(obj: Any, path: str, *args: Any, sync: bool = True, **kwargs: Any) -> None:
-    """``torch.save(obj, path, ...)`` through a temporary file and an atomic rename."""
+    """``torch.save(obj, path, ...)`` through a temporary file and an atomic rename, after
+    removing the temporary files of killed writers next to ``path`` (in the writing
+    process: the background worker for an async save, off the trainer's stall)."""
+    _remove_leftovers(os.path.dirname(os.path.abspath(path)))
 
     def _write(f: IO[bytes]) -> None:
         torch.save(obj, f, *args, **kwargs)
@@ -75,7 +80,6 @@ def _check_target(f: Any) -> str:
         )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigurationError(f"directory {parent!r} is not writable by this process")
-    _remove_leftovers(parent)
     return path
 
 

@@ -127,11 +127,10 @@ def parse_temp_name(name: str) -> TempName | None:
     return TempName(match["final"], int(match["pid"]), match["host"])
 
 
-def stale_temp_files(directory: str, *, suffixes: tuple[str, ...] = ()) -> list[str]:
-    """Temporary files of :func:`temp_name` directly in ``directory`` (of final names
-    ending with one of ``suffixes``, when given) whose writer is gone: left by a process
-    killed while it wrote, never to be renamed. Files of a live writer, of another host,
-    or of any other pattern are never listed."""
+def stale_temp_files(directory: str) -> list[str]:
+    """Temporary files of :func:`temp_name` directly in ``directory`` whose writer is gone:
+    left by a process killed while it wrote, never to be renamed. Files of a live writer,
+    of another host, or of any other pattern are never listed."""
     try:
         names = sorted(os.listdir(directory))
     except (FileNotFoundError, NotADirectoryError):
@@ -139,17 +138,17 @@ def stale_temp_files(directory: str, *, suffixes: tuple[str, ...] = ()) -> list[
     stale = []
     for name in names:
         parsed = parse_temp_name(name)
-        if parsed is None or (suffixes and not parsed.final.endswith(suffixes)):
+        if parsed is None:
             continue
         if parsed.writer_gone() and os.path.isfile(os.path.join(directory, name)):
             stale.append(os.path.join(directory, name))
     return stale
 
 
-def remove_stale_temp_files(directory: str, *, suffixes: tuple[str, ...] = ()) -> list[str]:
+def remove_stale_temp_files(directory: str) -> list[str]:
     """Delete :func:`stale_temp_files` of ``directory``; return the paths deleted."""
     removed = []
-    for path in stale_temp_files(directory, suffixes=suffixes):
+    for path in stale_temp_files(directory):
         try:
             os.unlink(path)
         except FileNotFoundError:  # another cleaner came first
