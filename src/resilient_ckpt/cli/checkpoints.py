@@ -1,11 +1,18 @@
-"""What the command-line tool knows about checkpoints on disk: find, verify, inspect, convert.
+"""What the command-line tool knows about checkpoints on disk: find, verify, inspect.
 
 Four kinds are recognised by their shape, never by a registry: a *DCP* checkpoint is a
-directory holding ``.metadata`` (complete) or only ``__<rank>_<k>.distcp`` files
-(incomplete: never committed); a tiered checkpoint's *memory* tier holds
-``<rank>/step_<n>/`` directories (see ``memory_tier``; its durable tier is plain DCP); a
-*local* checkpoint root holds ``<session>/<rank>/iter_<n>_<owner>_local.*`` files; any
-other ``*.pt`` / ``*.pth`` file is a ``torch.save`` file.
+directory holding ``.metadata``, ``__<rank>_<k>.distcp`` files or temporary files of either
+(or, empty, named as a checkpoint beside it: see
+:func:`~resilient_ckpt.storage.retention.checkpoint_dirs`); a tiered checkpoint's *memory*
+tier holds ``<rank>/step_<n>/`` directories (see ``memory_tier``; its durable tier is plain
+DCP); a *local* checkpoint root holds ``<session>/<rank>/iter_<n>_<owner>_local.*`` files;
+any other ``*.pt`` / ``*.pth`` file is a ``torch.save`` file, and a temporary file of ours
+that was to become one (``.<name>.tmp-<pid>@<host>``) is listed as such (kind ``temp``).
+
+*Complete* means what a load needs: the commit record exists and every file it names has
+its recorded size (a DCP ``.metadata`` records each file's size, or for plain ``dcp.save``
+where its last item ends), judged from the listing, without reading data. *Verified* means
+every byte was re-read and checked. What a killed save left is listed, never as complete.
 
 Listing and verification go through the storage backend of the path, so the same walk works
 on a local directory and on ``msc://<profile>/<prefix>``: one listing per level (with the
@@ -136,11 +143,7 @@ class Report:
 
 def is_dcp_dir(path: str) -> bool:
     backend = get_backend(path)
-    return backend.is_dir(path) and _is_dcp_listing(backend.scan(path))
-
-
-def _is_dcp_listing(listing: Listing) -> bool:
-    return is_dcp_listing(listing)
+    return backend.is_dir(path) and is_dcp_listing(backend.scan(path))
 
 
 def _iteration_of(path: str) -> int | None:
@@ -282,7 +285,7 @@ def _walk(
     listing: Listing | None = None,
 ) -> None:
     listing = backend.scan(path) if listing is None else listing
-    if _is_dcp_listing(listing):
+    if is_dcp_listing(listing):
         entries.append(_dcp_entry(path, listing, verify, progress, trusted))
         return
     memory = _memory_entries(backend, path, verify, progress, trusted)
@@ -306,7 +309,7 @@ def _walk(
     dcp = checkpoint_dirs(children)
     for name, child in sorted(children.items()):
         full = backend.join(path, name)
-        if name in dcp and not _is_dcp_listing(child):
+        if name in dcp and not is_dcp_listing(child):
             entries.append(_dcp_entry(full, child, verify, progress, trusted))
         else:
             _walk(backend, full, verify, progress, trusted, entries, child)
