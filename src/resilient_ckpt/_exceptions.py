@@ -174,6 +174,31 @@ class CorruptCheckpointError(CheckpointingException):
         self.path = path
 
 
+class NoCheckpointError(CheckpointingException, FileNotFoundError):
+    """A reader was pointed at a directory that holds no checkpoint (no commit record: an
+    empty directory, a save that never committed, a wrong path). ``path`` is the directory.
+    Also a ``FileNotFoundError``, as the missing file raised before."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_no_checkpoint, (type(self), str(self), self.path)
+
+
+def _rebuild_no_checkpoint(
+    cls: type[NoCheckpointError], message: str, path: str | None
+) -> NoCheckpointError:
+    return cls(message, path=path)
+
+
+class VerificationFailedError(CorruptCheckpointError):
+    """A readable checkpoint failed its checks (a size, a checksum) and a tool that would
+    carry its bytes on (``resilient-ckpt convert``) refused it; the message names what
+    failed and how to override."""
+
+
 class UnsafeCheckpointError(CheckpointingException, pickle.UnpicklingError):
     """A checkpoint file asked for a global that its kind of file never holds.
 

@@ -30,6 +30,7 @@ from ._exceptions import (
     FrozenRequestError,
     InvalidRequestError,
     MainModuleError,
+    NoCheckpointError,
     NoReplicasAvailableError,
     ObjectStoreError,
     QueueClosedError,
@@ -39,6 +40,7 @@ from ._exceptions import (
     StagingError,
     StorageError,
     UnsafeCheckpointError,
+    VerificationFailedError,
     WorkerDiedError,
     WorkerError,
 )
@@ -77,6 +79,7 @@ __all__ = [
     "FrozenRequestError",
     "InvalidRequestError",
     "MainModuleError",
+    "NoCheckpointError",
     "NoReplicasAvailableError",
     "ObjectStoreError",
     "QueueClosedError",
@@ -86,6 +89,7 @@ __all__ = [
     "StagingError",
     "StorageError",
     "UnsafeCheckpointError",
+    "VerificationFailedError",
     "WorkerDiedError",
     "WorkerError",
 ]

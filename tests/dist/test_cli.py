@@ -68,7 +68,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 
 def test_ls_lists_every_kind(ckpts, capsys) -> None:
     code, out = _run(capsys, "--json", "ls", ckpts["root"], "--verify")
-    assert code == 0
+    assert code == 1  # the torn checkpoint's row fails
     by_path = {e["path"]: e for e in json.loads(out)}
     assert by_path[ckpts["ours"]]["complete"] and by_path[ckpts["ours"]]["verified"]
     assert by_path[ckpts["ours"]]["iteration"] == 10
@@ -167,7 +167,8 @@ def test_verify_tree_reports_each_checkpoint(ckpts, capsys, tmp_path) -> None:
     code, out = _run(capsys, "--json", "verify", str(tree))
     by_path = {c["path"]: c for c in json.loads(out)["checkpoints"]}
     assert code == 1 and by_path[ours]["ok"] and not by_path[torn]["ok"]
-    assert by_path[torn]["problems"] == ["not committed (incomplete)"]
+    (problem,) = by_path[torn]["problems"]
+    assert problem.startswith("not committed (incomplete): no .metadata")
     bad_file = str(tree / "broken.pt")
     with open(bad_file, "wb") as f:
         f.write(b"not a checkpoint")

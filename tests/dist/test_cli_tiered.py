@@ -79,3 +79,39 @@ def test_ls_inspect_verify_show_both_tiers(tiers, capsys) -> None:
     code, out = _run(capsys, "--json", "ls", memory, "--verify")
     by_step = {e["iteration"]: e for e in json.loads(out)}
     assert by_step[1]["verified"] and by_step[2]["verified"] is False
+
+
+@pytest.mark.timeout(180)
+def test_convert_takes_the_memory_tiers_newest_committed_step(tiers, capsys, tmp_path) -> None:
+    memory, _ = tiers
+    out_file = str(tmp_path / "memory.pt")
+    code, out = _run(capsys, "--json", "convert", memory, out_file)
+    assert code == 0 and "step 2" in json.loads(out)["conversion"]
+    state = torch.load(out_file)
+    assert state["step"] == 2
+    for rank in (0, 1):
+        assert torch.equal(
+            state["model"][f"rank{rank}.w"], _state(rank, 2)["model"][f"rank{rank}.w"]
+        )
+    # A damaged copy with an intact replica: the replica is read, as on restore.
+    flip_byte(os.path.join(memory, "1", "step_000000002", "__1_0.distcp"))
+    os.unlink(out_file)
+    assert _run(capsys, "convert", memory, out_file)[0] == 0
+    assert torch.equal(torch.load(out_file)["model"]["rank1.w"], _state(1, 2)["model"]["rank1.w"])
+    # The only copy left is damaged: refused, named, unless told to go on.
+    shutil.rmtree(os.path.join(memory, "1"))
+    flip_byte(os.path.join(memory, "0", "step_000000002", "__1_0.distcp"))
+    os.unlink(out_file)
+    code = main(["convert", memory, out_file])
+    err = capsys.readouterr().err
+    assert code == 1 and "__1_0.distcp" in err and "--ignore-checksums" in err
+    assert not os.path.exists(out_file)
+    code = main(["convert", memory, out_file, "--ignore-checksums"])
+    assert code == 0 and "warning" in capsys.readouterr().err and os.path.exists(out_file)
+    # The step ls lists as newest complete: step 1 once step 2 lost its commit records.
+    for rank_dir in os.listdir(memory):
+        os.unlink(os.path.join(memory, rank_dir, "step_000000002", ".metadata"))
+    os.unlink(out_file)
+    code, out = _run(capsys, "--json", "convert", memory, out_file)
+    assert code == 0 and "step 1" in json.loads(out)["conversion"]
+    assert torch.load(out_file)["step"] == 1

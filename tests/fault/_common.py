@@ -189,7 +189,7 @@ def latest_dcp(root: str) -> tuple[int, list[str]]:
         return -1, []
     problems, good = [], []
     for entry in discover(root, verify=True):
-        if entry.kind != "dcp" or not (entry.complete or entry.corrupt):
+        if entry.kind != "dcp" or not (entry.committed or entry.corrupt):
             continue
         if entry.verified and entry.iteration is not None:
             good.append(entry.iteration)

@@ -300,23 +300,9 @@ def cycles(root: Path) -> dict[frozenset[str], str]:
     return found
 
 
-# Cycles that exist and are being broken (issue 46), each struck off by the change that
-# breaks it; the list only shrinks.
-KNOWN_CYCLES = {
-    frozenset({"cli.checkpoints", "cli.conversion"}),
-}
-
-
 def test_no_import_cycle() -> None:
     found = cycles(SRC)
-    new = [
-        text
-        for members, text in sorted(found.items(), key=lambda i: i[1])
-        if members not in KNOWN_CYCLES
-    ]
-    assert new == [], "\n".join(new)
-    gone = sorted(sorted(members) for members in KNOWN_CYCLES - set(found))
-    assert gone == [], f"no longer cycles: strike them off KNOWN_CYCLES: {gone}"
+    assert not found, "\n".join(found.values())
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ from torch.futures import Future
 
 from .. import _restricted_pickle
 from .._torch_compat import has_stream_transforms
+from ..errors import NoCheckpointError
 from ..storage import get_backend, is_msc_url
 from ..storage.commit import COMMIT_RECORD
 from ._dcp_items import map_file, read_items
@@ -170,6 +171,14 @@ class CachedMetadataFileSystemReader(ReadOnceReader, FileSystemReader):
         """
         rank = kwargs.get("rank")
         name = COMMIT_RECORD if rank is None else f"__{rank}{COMMIT_RECORD}"
+        try:
+            return self._read_commit_record(rank, name)
+        except FileNotFoundError as exc:
+            if isinstance(exc, NoCheckpointError):
+                raise
+            raise _no_checkpoint(os.fspath(self.path), name) from exc
+
+    def _read_commit_record(self, rank: Any, name: str) -> Metadata:
         if self._cache_dir is None:
             path = self.fs.concat_path(self.path, name)
             with self.fs.create_stream(path, "rb") as f:
@@ -282,3 +291,19 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         for key in parents:
             node = node[key]
         node[last] = loaded
+
+
+def _no_checkpoint(path: str, name: str) -> NoCheckpointError:
+    """The error of a load pointed at a directory without the commit record ``name``."""
+    what = (
+        f"no {name} (its commit record) in it"
+        if name == COMMIT_RECORD
+        else f"neither {COMMIT_RECORD} nor this rank's {name} in it"
+    )
+    hint = (
+        "An empty directory, a save that never committed, or the wrong path: "
+        f"`resilient-ckpt ls {path}` lists what is there"
+    )
+    if "://" not in path and not os.path.isdir(path):
+        what, hint = "the directory does not exist", "Check the path"
+    return NoCheckpointError(f"{path} holds no DCP checkpoint: {what}. {hint}", path=path)

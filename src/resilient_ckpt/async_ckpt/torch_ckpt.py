@@ -7,6 +7,18 @@ worker writes a temporary file, fsyncs it, renames it over ``f`` and fsyncs the 
 so ``f`` is always either the previous complete file or the new one. An
 ``msc://<profile>/<key>`` target is uploaded as one object, which appears whole when the
 upload completes: the same either-or without a rename.
+
+A trainer killed while its worker writes leaves the worker's temporary file
+(``.<name>.tmp-<pid>@<host>``, see :func:`~resilient_ckpt.storage.commit.temp_name`). Each
+save into a local folder removes the ones there whose writer is gone (same host, no such
+pid): never a live writer's, never a file of another name; those of another host stay, as
+whether their writer lives cannot be known here. The writing process does this before it
+writes (the worker, for an async save), so the trainer's stall does not grow with the
+folder.
+
+Closing. ``finalize_async_save(terminate=True)`` finalizes and stops the worker; calling it
+again does nothing. A save after it starts a new worker, as NVRx's queue does (a restarted
+trainer reuses the object): it is logged, since a worker start is seconds.
 """
 
 from __future__ import annotations
@@ -17,17 +29,23 @@ from typing import IO, Any
 
 import torch
 
+from .._logging import get_logger
 from ..config import Timeouts
 from ..errors import ConfigurationError
 from ..storage import get_backend, is_msc_url
-from ..storage.commit import write_atomically
+from ..storage.commit import remove_stale_temp_files, write_atomically
 from ..utils import iter_tensors, preload_tensors
 from ._staging import BatchedWhenPickled
 from .core import AsyncCallsQueue, AsyncRequest
 
+logger = get_logger(__name__)
+
 
 def save_atomically(obj: Any, path: str, *args: Any, sync: bool = True, **kwargs: Any) -> None:
-    """``torch.save(obj, path, ...)`` through a temporary file and an atomic rename."""
+    """``torch.save(obj, path, ...)`` through a temporary file and an atomic rename, after
+    removing the temporary files of killed writers next to ``path`` (in the writing
+    process: the background worker for an async save, off the trainer's stall)."""
+    _remove_leftovers(os.path.dirname(os.path.abspath(path)))
 
     def _write(f: IO[bytes]) -> None:
         torch.save(obj, f, *args, **kwargs)
@@ -65,6 +83,12 @@ def _check_target(f: Any) -> str:
     return path
 
 
+def _remove_leftovers(directory: str) -> None:
+    """Remove the temporary files of killed writers in ``directory`` (module docstring)."""
+    for path in remove_stale_temp_files(directory):
+        logger.info("removed %s: the temporary file of a save whose writer is gone", path)
+
+
 class TorchAsyncCheckpoint:
     """Asynchronous ``torch.save`` on top of :class:`AsyncCallsQueue`."""
 
@@ -80,6 +104,7 @@ class TorchAsyncCheckpoint:
     ) -> None:
         self.persistent_queue = persistent_queue
         self.sync_files = sync_files
+        self._terminated = False  # by finalize_async_save(terminate=True) or close()
         self._queue = AsyncCallsQueue(
             persistent=persistent_queue, timeouts=timeouts, copy_threads=copy_threads
         )
@@ -161,17 +186,31 @@ class TorchAsyncCheckpoint:
             # a preload_fn: its result replaces the request's second argument, the path.)
             state_dict = preload_tensors(state_dict, non_blocking=True)  # synchronizes
         state_dict = self._staged_form(state_dict)
+        if self._terminated:
+            logger.info(
+                "TorchAsyncCheckpoint.async_save after close or finalize_async_save("
+                "terminate=True): starting a new background worker"
+            )
+            self._terminated = False
         request = AsyncRequest(save_fn, (state_dict, path, *rest), [], kwargs)
         return self._queue.schedule_async_request(request, overlap_staging=overlap_staging)
 
     def finalize_async_save(
         self, blocking: bool = False, no_dist: bool = True, terminate: bool = False
     ) -> list[int]:
-        """Finalize finished saves (all of them when ``blocking``); optionally close."""
+        """Finalize finished saves (all of them when ``blocking``); with ``terminate``, then
+        close (stop the worker). After a close, with no save since, it does nothing and
+        returns ``[]``: terminating twice is harmless."""
+        if self._terminated:
+            return []
         finalized = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
         if terminate:
             self.close()
         return finalized
 
     def close(self, abort: bool = False) -> list[int]:
-        return self._queue.close(abort=abort)
+        """Finalize pending saves (or drop them with ``abort``) and stop the worker; returns
+        the dropped calls. A later save starts a new worker."""
+        dropped = self._queue.close(abort=abort)
+        self._terminated = True
+        return dropped

@@ -23,7 +23,7 @@ from ..storage import StorageBackend, get_backend
 from ..storage.commit import RecordCommit
 from .filesystem_async import FILE_TABLE_ATTR
 
-__all__ = ["VerifiedCheckpoint", "verify_checkpoint"]
+__all__ = ["VerifiedCheckpoint", "size_problems", "verify_checkpoint"]
 
 _CHUNK = 8 << 20
 
@@ -85,6 +85,35 @@ def _expected_files(metadata: Any) -> tuple[dict[str, tuple[int, int | None]], b
     return {name: (end, None) for name, end in referenced.items()}, False
 
 
+def _size_problem(name: str, actual: int, size: int, crc: int | None) -> str | None:
+    if crc is None and actual < size:
+        return f"{name}: {actual} bytes, its items need at least {size}"
+    if crc is not None and actual != size:
+        return f"{name}: {actual} bytes, {size} were written"
+    return None
+
+
+def size_problems(metadata: Any, sizes: dict[str, int]) -> list[str]:
+    """What is wrong with a committed checkpoint's data files, judged by their sizes alone
+    (``sizes``: name -> bytes, as a directory listing gives them; no data is read): a file
+    the metadata names that is missing, or not of its recorded size (the writer's table)
+    or shorter than its last item (other writers). Raises ``CorruptCheckpointError`` for
+    malformed metadata."""
+    try:
+        expected, _ = _expected_files(metadata)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"malformed metadata ({type(exc).__name__}: {exc})") from exc
+    problems = []
+    for name, (size, crc) in sorted(expected.items()):
+        if name not in sizes:
+            problems.append(f"{name}: missing")
+            continue
+        problem = _size_problem(name, sizes[name], size, crc)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
 def verify_checkpoint(
     path: str,
     *,
@@ -123,10 +152,9 @@ def verify_checkpoint(
             problems.append(f"{name}: missing or unreadable ({exc})")
             continue
         sizes[name] = actual_size
-        if crc is None and actual_size < size:
-            problems.append(f"{name}: {actual_size} bytes, its items need at least {size}")
-        elif crc is not None and actual_size != size:
-            problems.append(f"{name}: {actual_size} bytes, {size} were written")
+        problem = _size_problem(name, actual_size, size, crc)
+        if problem is not None:
+            problems.append(problem)
         elif actual_crc is not None and actual_crc != crc:
             problems.append(f"{name}: CRC32 {actual_crc:#010x}, {crc:#010x} was written")
     if problems:

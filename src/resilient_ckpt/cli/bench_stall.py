@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from .bench._output import progress
 from .bench.stall_flows import CPU_FLOWS, CUDA_FLOWS, DEFAULT_SHAPES, FLOWS, SHAPES, Config, Flows
 from .bench.stall_report import record, report
 
@@ -109,6 +110,10 @@ def _rank_main(
         flows = Flows(rank, world, cfg, shape)
         samples: dict[str, list[float]] = {}
         for rep in range(cfg.warmups + cfg.reps):
+            if rank == 0:
+                kind = "warm-up" if rep < cfg.warmups else "measured"
+                total = cfg.warmups + cfg.reps
+                progress(f"stall {shape}: round {rep + 1} of {total} ({kind}), {len(chosen)} flows")
             for name, flow in chosen.items():
                 if name in failed:
                     continue
@@ -158,8 +163,9 @@ def _rank_main(
 
 def main(argv: list[str] | None = None) -> int:
     from ..testing.launcher import launch
+    from ._help import plain
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=plain(__doc__.splitlines()[0]))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--warmups", type=int, default=2)

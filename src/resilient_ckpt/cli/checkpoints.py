@@ -1,11 +1,18 @@
-"""What the command-line tool knows about checkpoints on disk: find, verify, inspect, convert.
+"""What the command-line tool knows about checkpoints on disk: find, verify, inspect.
 
 Four kinds are recognised by their shape, never by a registry: a *DCP* checkpoint is a
-directory holding ``.metadata`` (complete) or only ``__<rank>_<k>.distcp`` files
-(incomplete: never committed); a tiered checkpoint's *memory* tier holds
-``<rank>/step_<n>/`` directories (see ``memory_tier``; its durable tier is plain DCP); a
-*local* checkpoint root holds ``<session>/<rank>/iter_<n>_<owner>_local.*`` files; any
-other ``*.pt`` / ``*.pth`` file is a ``torch.save`` file.
+directory holding ``.metadata``, ``__<rank>_<k>.distcp`` files or temporary files of either
+(or, empty, named as a checkpoint beside it: see
+:func:`~resilient_ckpt.storage.retention.checkpoint_dirs`); a tiered checkpoint's *memory*
+tier holds ``<rank>/step_<n>/`` directories (see ``memory_tier``; its durable tier is plain
+DCP); a *local* checkpoint root holds ``<session>/<rank>/iter_<n>_<owner>_local.*`` files;
+any other ``*.pt`` / ``*.pth`` file is a ``torch.save`` file, and a temporary file of ours
+that was to become one (``.<name>.tmp-<pid>@<host>``) is listed as such (kind ``temp``).
+
+*Complete* means what a load needs: the commit record exists and every file it names has
+its recorded size (a DCP ``.metadata`` records each file's size, or for plain ``dcp.save``
+where its last item ends), judged from the listing, without reading data. *Verified* means
+every byte was re-read and checked. What a killed save left is listed, never as complete.
 
 Listing and verification go through the storage backend of the path, so the same walk works
 on a local directory and on ``msc://<profile>/<prefix>``: one listing per level (with the
@@ -31,7 +38,6 @@ from typing import Any
 
 import torch
 
-from .. import _restricted_pickle
 from ..errors import (
     CheckpointingException,
     ConfigurationError,
@@ -40,8 +46,31 @@ from ..errors import (
 )
 from ..storage import PosixBackend, StorageBackend, get_backend
 from ..storage.base import Listing, is_msc_url
-from ..storage.commit import RecordCommit, is_committed_listing
+from ..storage.commit import (
+    COMMIT_RECORD,
+    RecordCommit,
+    TempName,
+    is_committed_listing,
+    parse_temp_name,
+)
+from ..storage.retention import checkpoint_dirs, is_dcp_listing
 from . import _trust
+from ._dcp_metadata import read_dcp_metadata
+
+__all__ = [
+    "Entry",
+    "Report",
+    "discover",
+    "inspect",
+    "is_dcp_dir",
+    "load_file",
+    "not_a_checkpoint",
+    "read_dcp_metadata",
+    "torch_file_problem",
+    "total_bytes",
+    "verify_all",
+    "verify_dcp",
+]
 
 Progress = Callable[[int], None]
 
@@ -75,6 +104,9 @@ class Entry:
     # torch file refused when verifying it); the command prints it and exits 2.
     error: str = ""
     exc: BaseException | None = field(default=None, repr=False)  # that error, for --debug
+    # A DCP checkpoint's commit record exists (None for other kinds): committed and not
+    # complete is a checkpoint whose files do not match its record, a damaged one.
+    committed: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return _as_dict(self)
@@ -109,13 +141,9 @@ class Report:
         return _as_dict(self)
 
 
-def _is_dcp_dir(path: str) -> bool:
+def is_dcp_dir(path: str) -> bool:
     backend = get_backend(path)
-    return backend.is_dir(path) and _is_dcp_listing(backend.scan(path))
-
-
-def _is_dcp_listing(listing: Listing) -> bool:
-    return is_committed_listing(listing) or any(n.endswith(".distcp") for n in listing.files)
+    return backend.is_dir(path) and is_dcp_listing(backend.scan(path))
 
 
 def _iteration_of(path: str) -> int | None:
@@ -127,18 +155,26 @@ def _iteration_of(path: str) -> int | None:
 def _dcp_entry(
     path: str, listing: Listing, verify: bool, progress: Progress | None, trusted: bool
 ) -> Entry:
-    complete = is_committed_listing(listing)
+    committed = is_committed_listing(listing)
     nbytes = sum(listing.files.values())
-    entry = Entry("dcp", path, _iteration_of(path), nbytes=nbytes, complete=complete)
-    if complete:
-        try:
-            entry.world_size = _dcp_world_size(read_dcp_metadata(path, trusted=trusted))
-        except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
-            entry.mark_corrupt(exc)
-            entry.verified = False if verify else None
-            return entry
-        except (OSError, CheckpointingException):
-            pass  # storage trouble: verify says more; listing goes on
+    entry = Entry("dcp", path, _iteration_of(path), nbytes=nbytes, complete=committed)
+    entry.committed = committed
+    if not committed:
+        entry.problems = [_uncommitted_problem(listing)]
+        entry.verified = False if verify else None
+        return entry
+    try:
+        metadata = read_dcp_metadata(path, trusted=trusted)
+        entry.world_size = _dcp_world_size(metadata)
+        sizes = _size_problems(path, metadata, listing)
+    except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
+        entry.mark_corrupt(exc)
+        entry.verified = False if verify else None
+        return entry
+    except (OSError, CheckpointingException):
+        sizes = []  # storage trouble: verify says more; listing goes on
+    if sizes:  # committed, but a file is missing or cut short: no checkpoint to load
+        entry.complete, entry.problems = False, sizes
     if verify:
         report = verify_dcp(path, progress, trusted=trusted)
         entry.verified, entry.problems, entry.checks = report.ok, report.problems, report.checks
@@ -148,6 +184,36 @@ def _dcp_entry(
     return entry
 
 
+# The first words of every problem of a checkpoint without its commit record.
+NOT_COMMITTED = "not committed (incomplete)"
+
+
+def _uncommitted_problem(listing: Listing) -> str:
+    temporary = [n for n in listing.files if parse_temp_name(n) is not None]
+    if not listing.files:
+        held = "it is empty"
+    elif len(temporary) == len(listing.files):
+        held = f"it holds only temporary files ({len(temporary)})"
+    else:
+        held = "it holds data files"
+    return (
+        f"{NOT_COMMITTED}: no {COMMIT_RECORD}, {held}: a save in progress, or one that was "
+        "interrupted (prune removes it once a newer checkpoint is committed)"
+    )
+
+
+def _size_problems(path: str, metadata: Any, listing: Listing) -> list[str]:
+    """The committed checkpoint's files against the sizes its metadata records, from the
+    listing (no data read)."""
+    from ..async_ckpt.verify import size_problems
+
+    try:
+        return [f"{path}/{p}" for p in size_problems(metadata, listing.files)]
+    except CorruptCheckpointError as exc:
+        record = os.path.join(path, COMMIT_RECORD)
+        raise CorruptCheckpointError(f"{record}: {exc}", path=record) from exc
+
+
 def _dcp_world_size(metadata: Any) -> int | None:
     ranks = set()
     for info in (metadata.storage_data or {}).values():
@@ -155,17 +221,6 @@ def _dcp_world_size(metadata: Any) -> int | None:
         if name.startswith("__") and "_" in name[2:]:
             ranks.add(name[2:].split("_", 1)[0])
     return len(ranks) or None
-
-
-def read_dcp_metadata(path: str, *, trusted: bool = False) -> Any:
-    """The unpickled ``.metadata`` of the DCP checkpoint at ``path`` (any backend), read by
-    the restricted unpickler unless ``trusted``; a damaged or refused file is a named error."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    backend = get_backend(path)
-    record = RecordCommit(backend, path).record_path
-    with backend.open_read(record) as f:
-        return _restricted_pickle.load(f, path=record, expect=Metadata, trusted=trusted)
 
 
 def verify_dcp(path: str, progress: Progress | None = None, *, trusted: bool = False) -> Report:
@@ -211,6 +266,9 @@ def discover(
     if not backend.exists(root):
         raise ConfigurationError(f"{root!r} does not exist")
     if not backend.is_dir(root):
+        temp = _torch_temp(os.path.basename(root))
+        if temp is not None:
+            return [_temp_entry(root, temp, backend.size(root), verify)]
         return [_file_entry(root, backend.size(root), verify, progress, trusted)]
     entries: list[Entry] = []
     _walk(backend, root, verify, progress, trusted, entries)
@@ -224,9 +282,10 @@ def _walk(
     progress: Progress | None,
     trusted: bool,
     entries: list[Entry],
+    listing: Listing | None = None,
 ) -> None:
-    listing = backend.scan(path)
-    if _is_dcp_listing(listing):
+    listing = backend.scan(path) if listing is None else listing
+    if is_dcp_listing(listing):
         entries.append(_dcp_entry(path, listing, verify, progress, trusted))
         return
     memory = _memory_entries(backend, path, verify, progress, trusted)
@@ -238,11 +297,54 @@ def _walk(
         entries.extend(local)
         return
     for name in sorted(listing.files):
-        if name.endswith((".pt", ".pth")) and not name.startswith("."):
-            full = backend.join(path, name)
+        full = backend.join(path, name)
+        temp = _torch_temp(name)
+        if temp is not None:
+            entries.append(_temp_entry(full, temp, listing.files[name], verify))
+        elif name.endswith(TORCH_SUFFIXES) and not name.startswith("."):
             entries.append(_file_entry(full, listing.files[name], verify, progress, trusted))
-    for name in sorted(listing.dirs):
-        _walk(backend, backend.join(path, name), verify, progress, trusted, entries)
+    children = {name: backend.scan(backend.join(path, name)) for name in listing.dirs}
+    # An empty directory named as a checkpoint beside it is one: a save killed before
+    # its first file.
+    dcp = checkpoint_dirs(children)
+    for name, child in sorted(children.items()):
+        full = backend.join(path, name)
+        if name in dcp and not is_dcp_listing(child):
+            entries.append(_dcp_entry(full, child, verify, progress, trusted))
+        else:
+            _walk(backend, full, verify, progress, trusted, entries, child)
+
+
+TORCH_SUFFIXES = (".pt", ".pth")
+
+
+def _torch_temp(name: str) -> TempName | None:
+    """What a temporary file of ours (:func:`~resilient_ckpt.storage.commit.temp_name`)
+    that was to become a ``torch.save`` file says; None for any other name."""
+    parsed = parse_temp_name(name)
+    return parsed if parsed is not None and parsed.final.endswith(TORCH_SUFFIXES) else None
+
+
+def _temp_entry(path: str, parsed: TempName, nbytes: int, verify: bool) -> Entry:
+    """A save in progress, or one whose writer was killed: incomplete, saying which."""
+    if parsed.writer_gone():
+        writer = (
+            f"writer pid {parsed.pid} on this host is gone: the next TorchAsyncCheckpoint "
+            "save into this directory removes it"
+        )
+    elif parsed.host is None:
+        writer = f"writer pid {parsed.pid}, host not recorded"
+    else:
+        writer = f"writer pid {parsed.pid} on host {parsed.host}"
+    return Entry(
+        "temp",
+        path,
+        _iteration_of(parsed.final),
+        nbytes=nbytes,
+        complete=False,
+        verified=False if verify else None,
+        problems=[f"temporary file of an unfinished save of {parsed.final} ({writer})"],
+    )
 
 
 def _file_entry(
@@ -262,7 +364,7 @@ def _file_entry(
     if verify:
         entry.checks = "load"
         try:
-            _load_file(path, progress, trusted=trusted)
+            load_file(path, progress, trusted=trusted)
             entry.verified = True
         except CorruptCheckpointError as exc:
             entry.mark_corrupt(exc)
@@ -368,11 +470,9 @@ def verify_all(
             e.kind,
             e.path,
             bool(e.verified) and e.complete,
-            # A memory-tier step and a corrupt checkpoint say themselves why they are
-            # incomplete (no commit record, a data file without a valid copy, the error).
-            e.problems
-            if e.complete or e.corrupt or e.kind == "memory"
-            else ["not committed (incomplete)"],
+            # Every incomplete kind but a local checkpoint says itself why (no commit
+            # record, a file cut short, a data file without a valid copy, the error).
+            e.problems if e.complete or e.problems else [NOT_COMMITTED],
             e.nbytes,
             e.checks,
             e.corrupt,
@@ -407,7 +507,7 @@ def inspect(path: str, *, trusted: bool = False) -> list[dict[str, Any]]:
     ``trusted`` (a local checkpoint's state only when ``trusted``)."""
     out: list[dict[str, Any]] = []
     backend = get_backend(path)
-    if _is_dcp_dir(path):
+    if is_dcp_dir(path):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         if not RecordCommit(backend, path).is_committed():
@@ -431,7 +531,7 @@ def inspect(path: str, *, trusted: bool = False) -> list[dict[str, Any]]:
     if not backend.exists(path):
         raise ConfigurationError(f"{path!r} does not exist")
     if not backend.is_dir(path):
-        _describe("", _load_file(path, trusted=trusted), out)
+        _describe("", load_file(path, trusted=trusted), out)
         return out
     from . import local_checkpoints, memory_tier
 
@@ -453,7 +553,7 @@ def not_a_checkpoint(path: str) -> CorruptCheckpointError:
     )
 
 
-def _load_file(path: str, progress: Progress | None = None, *, trusted: bool = False) -> Any:
+def load_file(path: str, progress: Progress | None = None, *, trusted: bool = False) -> Any:
     from ..local._manifest import parse_name
     from . import conversion, local_checkpoints
 
@@ -470,48 +570,6 @@ def _load_file(path: str, progress: Progress | None = None, *, trusted: bool = F
     if problem is not None:
         raise CorruptCheckpointError(f"{path}: {problem}", path=path)
     return conversion.load_file(path, progress, trusted=trusted)
-
-
-def convert(src: str, dst: str, progress: Progress | None = None, *, trusted: bool = False) -> str:
-    """Convert ``src`` into ``dst``; returns what was done. ``progress`` gets byte counts
-    (read, then written: about twice the checkpoint's size in all). What is read is loaded
-    safely unless ``trusted`` (a local checkpoint only when ``trusted``)."""
-    from . import conversion
-
-    if is_msc_url(src) or is_msc_url(dst):
-        raise ConfigurationError(
-            "convert works on local paths only; for msc:// checkpoints load them with "
-            "CachedMetadataFileSystemReader and save where you need"
-        )
-    if os.path.isdir(src) and _is_dcp_dir(src):
-        if not RecordCommit(get_backend(src), src).is_committed():
-            raise ConfigurationError(f"{src!r} is not committed (no .metadata); nothing to convert")
-        conversion.dcp_to_torch(src, dst, progress, trusted=trusted)
-        return "dcp -> torch.save"
-    from ..local._manifest import parse_name
-    from . import local_checkpoints
-
-    if os.path.isfile(src) and parse_name(os.path.basename(src)):
-        conversion.save_file(_load_file(src, progress, trusted=trusted), dst, progress)
-        return "local shard -> torch.save"
-    if os.path.isdir(src) and local_checkpoints.is_session_dir(src):
-        state = local_checkpoints.load_iteration(src, progress=progress, trusted=trusted)
-        conversion.save_file(state, dst, progress)
-        return "local checkpoint (newest complete iteration, all ranks) -> torch.save"
-    if os.path.isfile(src):
-        if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-            raise ConfigurationError(
-                f"destination {dst!r} exists and is not an empty directory; a DCP checkpoint "
-                "needs a directory of its own"
-            )
-        problem = torch_file_problem(src)
-        if problem is not None:
-            raise CorruptCheckpointError(f"{src}: {problem}", path=src)
-        conversion.torch_to_dcp(src, dst, progress, trusted=trusted)
-        return "torch.save -> dcp"
-    if os.path.isdir(src):
-        raise not_a_checkpoint(src)
-    raise ConfigurationError(f"{src!r} does not exist")
 
 
 def _rows_as_entries(kind: str, path: str, verify: bool, rows: list[dict[str, Any]]) -> list[Entry]:

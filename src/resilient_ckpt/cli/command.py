@@ -8,7 +8,8 @@ at fault naming the file and what is wrong with it; ``--debug`` (before or after
 prints the traceback above it. Exit status 2 says a file could not be read at all (empty,
 cut short, garbage, of the wrong kind, a directory that is no checkpoint, or refused as
 unsafe: see ``--trust``) or the command line was wrong; 1 that a readable checkpoint failed
-verification or the work failed otherwise. ``ls`` and ``verify`` go on past such a file
+verification or the work failed otherwise (``ls --verify`` when any row failed, ``convert``
+refusing a source that fails its checks). ``ls`` and ``verify`` go on past such a file
 (it is listed as corrupt, the others are still listed and checked), then exit 2.
 """
 
@@ -22,8 +23,17 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
-from . import _trust, bench, checkpoints
+from ..errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    VerificationFailedError,
+)
+from . import _trust, bench, checkpoints, converting
+
+DESCRIPTION = (
+    "resilient-ckpt: list, verify, inspect and convert checkpoints; run the demo and benchmarks."
+)
 
 # Exit statuses (see the module docstring).
 OK, FAILED, BAD_INPUT = 0, 1, 2
@@ -118,7 +128,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     )
     if not entries and not args.json:
         print(f"no checkpoints under {' '.join(args.paths)}")
-    return _report_errors(args, [(e.error, e.exc) for e in entries if e.error], OK)
+    failed = args.verify and any(e.verified is False for e in entries)
+    return _report_errors(
+        args, [(e.error, e.exc) for e in entries if e.error], FAILED if failed else OK
+    )
 
 
 _CHECKS = {
@@ -173,14 +186,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     total = 2 * checkpoints.total_bytes(args.src)  # read once, written once
+    warnings: list[str] = []
     with _progress_bar(args, total, "converting") as bar:
-        kind = checkpoints.convert(args.src, args.dst, progress=bar.update, trusted=args.trust)
+        kind = converting.convert(
+            args.src,
+            args.dst,
+            progress=bar.update,
+            trusted=args.trust,
+            ignore_checksums=args.ignore_checksums,
+            warn=warnings.append,
+        )
+    for text in warnings:
+        print(f"resilient-ckpt convert: warning: {_one_line(text)}", file=sys.stderr)
     nbytes = (
         sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(args.dst) for f in files)
         if os.path.isdir(args.dst)
         else os.path.getsize(args.dst)
     )
-    _emit(args, {"src": args.src, "dst": args.dst, "conversion": kind, "bytes": nbytes}, None)
+    result = {"src": args.src, "dst": args.dst, "conversion": kind, "bytes": nbytes}
+    _emit(args, {**result, "verified": not warnings, "problems": warnings}, None)
     if not args.json:
         print(f"converted {args.src} -> {args.dst} ({kind}, {checkpoints.human(nbytes)})")
     return 0
@@ -218,38 +242,67 @@ def _common_options(parser: argparse.ArgumentParser, top: bool) -> None:
     )
 
 
+_PATHS_HELP = "checkpoints, or directories to search for them (a local path or msc://...)"
+
+
 def _trust_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust", action="store_true", help=_trust.TRUST_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="resilient-ckpt", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="resilient-ckpt", description=DESCRIPTION)
     _common_options(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="command",
+        help="one of these; `resilient-ckpt <command> --help` says more",
+    )
     p = sub.add_parser(
         "ls", help="list every checkpoint under directories (e.g. both tiers of a tiered one)"
     )
-    p.add_argument("paths", nargs="+", metavar="path")
-    p.add_argument("--verify", action="store_true", help="also re-read and check every file")
+    p.add_argument("paths", nargs="+", metavar="path", help=_PATHS_HELP)
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also re-read and check every file; exit status 1 when any row fails",
+    )
     _trust_option(p)
     p.set_defaults(func=_cmd_ls)
     p = sub.add_parser("verify", help="re-read every part; non-zero exit on any problem")
-    p.add_argument("paths", nargs="+", metavar="path")
+    p.add_argument("paths", nargs="+", metavar="path", help=_PATHS_HELP)
     _trust_option(p)
     p.set_defaults(func=_cmd_verify)
     p = sub.add_parser("inspect", help="tensor keys, shapes, dtypes and sizes")
-    p.add_argument("path")
+    p.add_argument("path", help="a checkpoint: DCP directory, memory tier, local session, file")
     _trust_option(p)
     p.set_defaults(func=_cmd_inspect)
-    p = sub.add_parser("convert", help="DCP or local checkpoint -> torch.save file, or back")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p = sub.add_parser(
+        "convert",
+        help="DCP checkpoint, memory tier or local checkpoint -> torch.save file, or back",
+    )
+    p.add_argument(
+        "src",
+        help="a DCP checkpoint directory, a tiered memory tier (its newest complete step), a "
+        "local checkpoint session or copy file, or a torch.save file",
+    )
+    p.add_argument(
+        "dst", help="the torch.save file to write, or (from a torch.save file) an empty directory"
+    )
+    p.add_argument(
+        "--ignore-checksums",
+        action="store_true",
+        help="convert a source that fails verification (sizes, checksums) anyway, with a "
+        "warning: the output then holds the damaged bytes",
+    )
     _trust_option(p)
     p.set_defaults(func=_cmd_convert)
     p = sub.add_parser(
-        "prune", help="delete all but the newest N committed DCP checkpoints below a root"
+        "prune",
+        help="delete all but the newest N committed DCP checkpoints below a root, and the "
+        "uncommitted ones older than the newest committed",
     )
-    p.add_argument("path")
+    p.add_argument("path", help="the root directory holding one checkpoint per sub-directory")
     p.add_argument("--keep", type=int, default=1, help="committed checkpoints to keep (>= 1)")
     p.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
     p.set_defaults(func=_cmd_prune)
@@ -298,6 +351,8 @@ def _describe_error(exc: Exception) -> str:
 
 
 def _status_of(exc: Exception) -> int:
+    if isinstance(exc, VerificationFailedError):  # readable, but failed its checks
+        return FAILED
     if isinstance(exc, (CorruptCheckpointError, UnsafeCheckpointError)):
         return BAD_INPUT
     return FAILED

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..storage.commit import write_atomically
 from . import _trust
+from ._dcp_metadata import read_dcp_metadata
 
 Progress = Callable[[int], None]
 
@@ -184,9 +185,8 @@ def load_dcp(
     import torch.distributed.checkpoint as dcp
 
     from .._torch_compat import no_dist_kwargs
-    from . import checkpoints
 
-    metadata = checkpoints.read_dcp_metadata(src, trusted=trusted)
+    metadata = read_dcp_metadata(src, trusted=trusted)
     planner = _WholeStateLoadPlanner(progress or _ignore, src, trusted)
     with warnings.catch_warnings():
         # This process loads alone on purpose: not worth a warning.

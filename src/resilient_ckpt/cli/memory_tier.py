@@ -149,17 +149,54 @@ def check(
     return complete, verified, problems
 
 
-def newest_metadata(memory_dir: str, *, trusted: bool = False) -> str:
-    """The commit record of the newest complete step (for ``inspect``); if there is none,
-    the named error of the newest unreadable record, if any."""
+def newest_complete(memory_dir: str, *, trusted: bool = False) -> MemoryStep:
+    """The newest step ``ls`` lists as complete; if there is none, the named error of the
+    newest unreadable record, if any, else a ``ConfigurationError``."""
     found = steps(memory_dir, trusted=trusted)
     for entry in reversed(found):
         if entry.metadata_path is not None and check(entry, verify=False)[0]:
-            return entry.metadata_path
+            return entry
     for entry in reversed(found):
         if entry.error is not None:
             raise entry.error
     raise ConfigurationError(f"{memory_dir!r} holds no complete memory-tier checkpoint")
+
+
+def good_copies(entry: MemoryStep, *, checksums: bool = True) -> tuple[dict[str, str], list[str]]:
+    """One copy of each data file of a complete step, of the recorded size and (with
+    ``checksums``) CRC32, from any rank directory, as the restore picks one: name -> path;
+    and the problems of the step (a bad copy, a file without a good one). A file whose
+    every copy fails its checksum gets one of the right size when ``checksums`` is off."""
+    chosen: dict[str, str] = {}
+    damaged: dict[str, str] = {}
+    problems = []
+    for listing in entry.listings:
+        for name, size in sorted(listing.files.items()):
+            expected = entry.table.get(name)
+            if name in chosen or expected is None or size != expected[0]:
+                continue
+            path = os.path.join(listing.path, name)
+            got = _crc32(path, None)
+            if got == expected:
+                chosen[name] = path
+                continue
+            problems.append(f"{path}: CRC32 {got[1]:#010x}, {expected[1]:#010x} was written")
+            damaged.setdefault(name, path)
+    if not checksums:
+        chosen = {**damaged, **chosen}
+    missing = sorted(set(entry.table) - set(chosen))
+    if missing:
+        problems.append(f"step {entry.step}: no valid copy of {', '.join(missing)}")
+    return chosen, problems
+
+
+def newest_metadata(memory_dir: str, *, trusted: bool = False) -> str:
+    """The commit record of the newest complete step (for ``inspect``); if there is none,
+    the named error of the newest unreadable record, if any."""
+    path = newest_complete(memory_dir, trusted=trusted).metadata_path
+    if path is None:  # newest_complete returns only steps with a readable record
+        raise ConfigurationError(f"{memory_dir!r} holds no complete memory-tier checkpoint")
+    return path
 
 
 def summarize(

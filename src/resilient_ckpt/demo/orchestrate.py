@@ -92,7 +92,9 @@ def _print_recovery(name: str, summary: dict[str, Any], what: str) -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="resilient-ckpt demo", description=__doc__)
+    from ..cli._help import plain
+
+    parser = argparse.ArgumentParser(prog="resilient-ckpt demo", description=plain(__doc__ or ""))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--durable-every", type=int, default=10)
     parser.add_argument("--crash-at-step", type=int, default=27, help="first kill")

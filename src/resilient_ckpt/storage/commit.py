@@ -9,7 +9,10 @@ checkpoints, retention, ``torch.save`` targets) instead of its own renames:
 * :func:`atomic_file` publishes **one file** on a POSIX file system: written under a hidden
   temporary name in the same directory, flushed and fsynced, renamed over the final name,
   and the directory fsynced so the rename survives a crash. It is the POSIX backend's
-  ``open_write``, so every artifact the backend writes is all-or-nothing.
+  ``open_write``, so every artifact the backend writes is all-or-nothing. The temporary
+  name carries the writer's pid and host (:func:`temp_name`): a file left by a writer
+  killed mid-write can be told from one still being written, and removed
+  (:func:`remove_stale_temp_files`); nothing else is ever removed by that name.
 * :class:`RenameCommit` publishes **a batch of files** already written under temporary
   names (possibly by another process): one rename each, then one directory fsync for the
   whole batch. Local checkpoints commit an iteration's copies this way.
@@ -36,8 +39,11 @@ once; a commit record works on both and lets each rank write its own files in pl
 from __future__ import annotations
 
 import os
+import re
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, BinaryIO
 
 from ..errors import StorageError
@@ -58,10 +64,97 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _host_tag() -> str:
+    """This host's name as it goes into a temporary name: only characters that need no
+    quoting, never ``/``."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+    return name or "unknown-host"
+
+
 def temp_name(path: str) -> str:
-    """A hidden name next to ``path``, unique to this process."""
+    """A hidden name next to ``path``, unique to this process on this host:
+    ``.<name>.tmp-<pid>@<host>``. The writer's pid and host are in the name so that a later
+    process can tell a file whose writer is gone (:func:`stale_temp_files`) from one that
+    is still being written."""
     head, tail = os.path.split(path)
-    return os.path.join(head, f".{tail}.tmp-{os.getpid()}")
+    return os.path.join(head, f".{tail}.tmp-{os.getpid()}@{_host_tag()}")
+
+
+# temp_name's pattern; the host is absent in names written before it was added.
+_TEMP_NAME = re.compile(r"\.(?P<final>.+)\.tmp-(?P<pid>[0-9]+)(?:@(?P<host>[A-Za-z0-9._-]+))?")
+
+
+@dataclass(frozen=True)
+class TempName:
+    """What a temporary name of :func:`temp_name` says: the file it was to become, and its
+    writer (``host`` is None in names without one, written by earlier versions)."""
+
+    final: str
+    pid: int
+    host: str | None
+
+    def writer_gone(self) -> bool:
+        """The writer ran on this host and no process has its pid now. False wherever that
+        cannot be known (another host, no host in the name, a pid in use again)."""
+        if self.host != _host_tag():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # EPERM: a process of another user has that pid
+            return False
+        return _is_zombie(self.pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """A process that has exited and waits to be reaped (a killed trainer's worker, where
+    nothing reaps orphans); False where ``/proc`` cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 1 :].split()
+    return bool(fields) and fields[0] in (b"Z", b"X")
+
+
+def parse_temp_name(name: str) -> TempName | None:
+    """The parts of a base name made by :func:`temp_name`; None for any other name."""
+    match = _TEMP_NAME.fullmatch(name)
+    if match is None:
+        return None
+    return TempName(match["final"], int(match["pid"]), match["host"])
+
+
+def stale_temp_files(directory: str) -> list[str]:
+    """Temporary files of :func:`temp_name` directly in ``directory`` whose writer is gone:
+    left by a process killed while it wrote, never to be renamed. Files of a live writer,
+    of another host, or of any other pattern are never listed."""
+    try:
+        names = sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    stale = []
+    for name in names:
+        parsed = parse_temp_name(name)
+        if parsed is None:
+            continue
+        if parsed.writer_gone() and os.path.isfile(os.path.join(directory, name)):
+            stale.append(os.path.join(directory, name))
+    return stale
+
+
+def remove_stale_temp_files(directory: str) -> list[str]:
+    """Delete :func:`stale_temp_files` of ``directory``; return the paths deleted."""
+    removed = []
+    for path in stale_temp_files(directory):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # another cleaner came first
+            continue
+        removed.append(path)
+    return removed
 
 
 @contextmanager

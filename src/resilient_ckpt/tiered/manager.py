@@ -98,6 +98,22 @@ logger = get_logger(__name__)
 __all__ = ["TieredCheckpointManager"]
 
 
+def _cliques(jump: int, factor: int, world_size: int, jump_defaulted: bool) -> list[list[int]]:
+    """The replication cliques; where they cannot be formed, the error says how to fix it."""
+    try:
+        return parse_group_sequence(jump, factor, world_size)
+    except ConfigurationError as exc:
+        if not jump_defaulted or world_size % factor != 0:
+            raise
+        raise ConfigurationError(
+            f"{exc}. replication_jump defaulted to {jump}, the ranks per node "
+            "(LOCAL_WORLD_SIZE), so that each copy lands on another node: that needs a "
+            f"number of nodes divisible by replication_factor={factor}. On one node pass "
+            "replication_jump=1 (copies on other ranks of the node: they survive a rank's "
+            "crash, not the node's loss), or replication_factor=1 (no copies)"
+        ) from exc
+
+
 class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
     """Checkpoints in node-local RAM with peer replicas, every N-th also durable.
 
@@ -171,7 +187,7 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
         self.on_phase: PhaseHook = on_phase or (lambda phase, step: None)
         jump = replication_jump if replication_jump is not None else default_replication_jump()
         self.replication_jump = jump
-        cliques = parse_group_sequence(jump, replication_factor, self.world_size)
+        cliques = _cliques(jump, replication_factor, self.world_size, replication_jump is None)
         self.clique_ranks = next(c for c in cliques if self.rank in c)
         self._world_group, clique = self._make_groups(cliques)
         _dist.run_agreed("tiered manager set-up", self._prepare_dirs)
@@ -191,6 +207,7 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
         self._saves_since_durable = 0
         self._closed = False
         self.timings: dict[int, dict[str, float]] = {}
+        self.last_restore: dict[str, Any] | None = None  # set by load
 
     # -- set-up -----------------------------------------------------------------------------
 

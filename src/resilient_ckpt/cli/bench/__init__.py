@@ -32,6 +32,8 @@ import sys
 import tempfile
 from typing import Any
 
+from ._output import progress
+
 DEFAULT_BENCHMARKS = ["stall", "local_ckpt", "dcp_load", "tiered_recovery"]
 
 _MODULES = {
@@ -114,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     # With --json or --markdown stdout carries only that document; the tables go to stderr.
     out = sys.stderr if args.json or args.markdown else sys.stdout
     with tempfile.TemporaryDirectory(prefix="rc_bench_json_") as tmp:
-        for name in names:
+        for number, name in enumerate(names, 1):
+            progress(f"benchmark {number} of {len(names)}: {name}")
             json_path = os.path.join(tmp, f"{name}.json")
             argv = [*bench_defaults(name, args.quick), *extra]
             if args.dir is not None:

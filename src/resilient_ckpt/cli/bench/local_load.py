@@ -46,6 +46,8 @@ from ...local import (
     _deleter,
 )
 from ...testing import launch
+from .._help import plain
+from ._output import progress, verdict
 from .common import Figures, evict, raw_read
 
 TENSORS = 16
@@ -167,8 +169,14 @@ class _Bench:
                 shutil.move(backup, mine)
 
 
+def _quiet(text: str) -> None:
+    return None
+
+
 def _run(rank: int, world: int, root: str, nbytes: int, repeats: int) -> dict[str, float]:
     bench = _Bench(rank, world, root, nbytes, repeats)
+    say = progress if rank == 0 else _quiet
+    say("local_ckpt: raw write (dd), then saves")
     bench.dd_write()
     plain_root, repl_root = os.path.join(root, "plain"), os.path.join(root, "repl")
     clique = CliqueReplicationStrategy.from_replication_params(1, 2)
@@ -176,21 +184,26 @@ def _run(rank: int, world: int, root: str, nbytes: int, repeats: int) -> dict[st
     repl = LocalCheckpointManager(repl_root, "bench", clique)
     bench.save("save", plain)
     bench.save("save F=2", repl)
+    say("local_ckpt: async stalls")
     queue = AsyncCallsQueue(persistent=True)
     try:
         bench.stall("stall", plain, queue)
         bench.stall("stall F=2", repl, queue)
     finally:
         queue.close()
+    say("local_ckpt: loads against raw reads, then a load with members lost")
     bench.load_vs_raw("load", plain_root, None)
     bench.load_vs_raw("load F=2", repl_root, clique)
     bench.lost_load("load F=2, 1 lost/clique", repl_root, clique, range(1, world, 2))
     return bench.times()
 
 
-def _row(name: str, seconds: float, gbps: float | None, ref: str = "", ratio: str = "") -> str:
+def _row(
+    name: str, seconds: float, gbps: float | None, ref: str = "", ratio: str = "", target: str = ""
+) -> str:
     rate = f"{gbps:7.2f}" if gbps is not None else " " * 7
-    return f"{name:<34} {seconds:8.3f} {rate}  {ref:<28} {ratio:>6}"
+    mark = f"  {verdict(target, float(ratio))}" if target and ratio else ""
+    return f"{name:<34} {seconds:8.3f} {rate}  {ref:<28} {ratio:>6}{mark}".rstrip()
 
 
 def report(t: dict[str, float], ranks: int, nbytes: int, repeats: int) -> None:
@@ -200,7 +213,11 @@ def report(t: dict[str, float], ranks: int, nbytes: int, repeats: int) -> None:
     print("\nSave (synchronous, fsync); ratio = throughput / reference (target >= 0.9)\n" + head)
     print(_row("raw write (dd bs=8M conv=fsync)", t["raw write"], total / t["raw write"]))
     save_ratio = f"{t['raw write'] / t['save']:.2f}"
-    print(_row("save, no replication", t["save"], total / t["save"], "raw write", save_ratio))
+    print(
+        _row(
+            "save, no replication", t["save"], total / t["save"], "raw write", save_ratio, ">= 0.9"
+        )
+    )
     f2 = f"{t['save F=2'] / t['save']:.2f}"
     print(_row("save, replication F=2 (time)", t["save F=2"], None, "save, no replication", f2))
     print(_row("async stall, no replication", t["stall"], None))
@@ -213,11 +230,13 @@ def report(t: dict[str, float], ranks: int, nbytes: int, repeats: int) -> None:
     for name in ("load", "load F=2"):
         raw = t[f"raw read {name}"]
         print(_row(f"raw read ({name} files)", raw, total / raw))
-        print(_row(name, t[name], total / t[name], "raw read", f"{raw / t[name]:.2f}"))
+        print(_row(name, t[name], total / t[name], "raw read", f"{raw / t[name]:.2f}", ">= 0.8"))
     lost = t["load F=2, 1 lost/clique"]
     print("\nRecovery; ratio = time / normal load (target <= 1.5)\n" + head)
     lost_ratio = f"{lost / t['load F=2']:.2f}"
-    print(_row("load, 1 member/clique deleted", lost, total / lost, "load F=2", lost_ratio))
+    print(
+        _row("load, 1 member/clique deleted", lost, total / lost, "load F=2", lost_ratio, "<= 1.5")
+    )
 
 
 def record(t: dict[str, float], ranks: int, nbytes: int) -> Figures:
@@ -246,7 +265,7 @@ def record(t: dict[str, float], ranks: int, nbytes: int) -> Figures:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(description=plain((__doc__ or "").split("\n")[0]))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--size-mib", type=float, default=256, help="state bytes per rank")
     p.add_argument("--repeats", type=int, default=3)

@@ -53,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 
 from ...errors import ConfigurationError
 from ...testing import launch
+from .._help import plain
 from . import _scale_report
 from ._collectives import CollectiveCensus
 from ._s3_nodes import PROFILE, Nodes, ThrottledObjectStore, require_object_store_packages
@@ -341,7 +342,9 @@ def run_world(store: ThrottledObjectStore, args: argparse.Namespace, world: int)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="restore_scale", description=(__doc__ or "").splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="restore_scale", description=plain((__doc__ or "").splitlines()[0])
+    )
     p.add_argument("--ranks", default="2,4,8", help="world sizes, comma-separated")
     p.add_argument("--with-16", action="store_true", help="also W=16 (needs the memory)")
     p.add_argument("--per-node", type=int, default=2, help="ranks per simulated node")

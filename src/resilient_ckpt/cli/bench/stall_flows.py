@@ -17,7 +17,10 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CheckpointingException
+from ._output import dropping_torch_info
 from .stall_refs import Memcpy, PinnedCopy
+
+_torch_executor_started = False  # torch's dcp.async_save process, one per rank process
 
 # The shapes of DESIGN.md's stall targets. 1G/2000 is the realistic one (a gigabyte per rank
 # in thousands of tensors): a cache or fast path stays only if it shows there (STYLE.md 13).
@@ -263,6 +266,18 @@ class Flows:
         return self.ours_local(overlap=True, defer=True)
 
     def dcp_async_save(self, overlap: bool = False) -> dict[str, float]:
+        global _torch_executor_started
+        if _torch_executor_started:
+            return self._dcp_async_save(overlap)
+        # The first save starts torch's executor process (from a thread of torch's, once the
+        # call returned): with stderr filtered until the save is done, which the process
+        # keeps (it logs every request at INFO).
+        with dropping_torch_info():
+            figures = self._dcp_async_save(overlap)
+        _torch_executor_started = True
+        return figures
+
+    def _dcp_async_save(self, overlap: bool) -> dict[str, float]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
         from torch.distributed.checkpoint.staging import DefaultStager

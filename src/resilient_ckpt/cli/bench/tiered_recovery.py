@@ -59,6 +59,8 @@ from resilient_ckpt.storage import get_backend
 from resilient_ckpt.testing import launch
 from resilient_ckpt.tiered import TieredCheckpointManager
 
+from .._help import plain
+from ._output import progress, verdict
 from ._s3_nodes import (
     PROFILE,
     Nodes,
@@ -256,10 +258,17 @@ class _Run:
         return raw, sum(os.path.getsize(path) for path in files)
 
 
+def _quiet(text: str) -> None:
+    return None
+
+
 def _run(rank: int, world: int, memory: str, durable: Durable, nbytes: int, repeats: int) -> Any:
     run = _Run(rank, world, memory, durable, nbytes)
+    say = progress if rank == 0 else _quiet
     floor = _worst(_memcpy_floor(run.state, repeats))
+    say(f"tiered_recovery: {repeats} saves to each tier")
     memory_only, durable_stalls, step = run.stalls(repeats)
+    say("tiered_recovery: restores on a restart, after a node loss, from the durable tier")
     restart = [run.restore(step, "memory") for _ in range(repeats)]
     node_loss = [run.after_node_loss(step) for _ in range(repeats)]
     cold = [run.from_durable_cold(step) for _ in range(repeats)]
@@ -289,7 +298,7 @@ group, not limited). Needs: pip install 'resilient-ckpt[msc]' 'moto[server]' pyy
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tiered_recovery",
-        description=(__doc__ or "").splitlines()[0],
+        description=plain((__doc__ or "").splitlines()[0]),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -342,17 +351,31 @@ def _link_seconds(args: argparse.Namespace, r: dict[str, Any]) -> float:
     return r["durable_bytes"] / NODES / args.node_rate
 
 
+STALL_TARGET = "<= 1.1x"
+# DESIGN.md section 7: against a durable tier whose per-node bandwidth is limited, as a
+# shared file system's or an object store's is. A durable tier on this machine's disk is
+# no such tier: no target there.
+RECOVERY_TARGET = ">= 3x"
+
+
+def _recovery_target(args: argparse.Namespace) -> str:
+    return RECOVERY_TARGET if args.durable == "s3" else ""
+
+
 def _rows(args: argparse.Namespace, r: dict[str, Any]) -> list[tuple[str, float, str, str]]:
+    """(figure, seconds, ratio, target with its verdict) of each printed row."""
     durable = r["restore_durable"]
     than = "durable" if args.durable == "s3" else "durable cold"
+    stall_ratio = r["stall_durable"] / r["stall_memory"]
+    recovery = _recovery_target(args)
     rows = [
         ("memcpy into shared memory (floor)", r["memcpy"], "", ""),
         ("save stall, memory tier only", r["stall_memory"], "", ""),
         (
             "save stall, memory + durable",
             r["stall_durable"],
-            f"{r['stall_durable'] / r['stall_memory']:.2f}x memory-only",
-            "<= 1.1x",
+            f"{stall_ratio:.2f}x memory-only",
+            f"{STALL_TARGET} {verdict(STALL_TARGET, stall_ratio)}",
         ),
         (
             "restart, memory tier intact",
@@ -364,7 +387,7 @@ def _rows(args: argparse.Namespace, r: dict[str, Any]) -> list[tuple[str, float,
             "restore after node loss (memory tier)",
             r["restore_memory"],
             f"{than} = {durable / r['restore_memory']:.2f}x this",
-            ">= 3x",
+            f"{recovery} {verdict(recovery, durable / r['restore_memory'])}".strip(),
         ),
     ]
     s3 = args.durable == "s3"
@@ -401,6 +424,11 @@ def _print(args: argparse.Namespace, r: dict[str, Any]) -> None:
     print(f"{'figure':<40} {'ms':>9}  {'ratio':<34} target")
     for name, value, ratio, target in _rows(args, r):
         print(f"{name:<40} {value * 1e3:9.2f}  {ratio:<34} {target}")
+    if args.durable != "s3":
+        print(
+            f"(the {RECOVERY_TARGET} recovery target is for a bandwidth-limited durable tier, "
+            "-- --durable s3; this durable tier is this machine's disk, as fast as the peers)"
+        )
     where = "S3 behind the node's link" if args.durable == "s3" else "cold"
     print(
         f"\nrecovery from the memory tier vs durable ({where}): "
@@ -428,7 +456,13 @@ def _write_json(path: str, args: argparse.Namespace, r: dict[str, Any]) -> None:
     figures = [
         ("stall", "save, memory + durable", r["stall_durable"], "memory-only save", "<= 1.1x"),
         ("stall", "save, memory only", r["stall_memory"], "memcpy floor", ""),
-        ("recovery", "restore from memory, node lost", r["restore_memory"], durable, ">= 3x"),
+        (
+            "recovery",
+            "restore from memory, node lost",
+            r["restore_memory"],
+            durable,
+            _recovery_target(args),
+        ),
         ("recovery", "restore from memory, restart", r["restore_restart"], durable, ""),
     ]
     refs = {

@@ -132,9 +132,14 @@ def current_rank() -> int:
 class Injector:
     """The faults of one installation on one rank; counts how often each fired."""
 
-    def __init__(self, faults: Iterable[Fault], rank: int | None = None) -> None:
+    def __init__(
+        self, faults: Iterable[Fault], rank: int | None = None, trainer: int | None = None
+    ) -> None:
         self.faults: tuple[Fault, ...] = tuple(faults)
         self.rank = current_rank() if rank is None else rank
+        # The trainer's pid, where the faults fire in a process it started: KILL_PARENT's
+        # target, only while it is still this process's parent (see act).
+        self.trainer = trainer
         self._fired = [0] * len(self.faults)
         self._lock = threading.Lock()
 
@@ -161,15 +166,20 @@ class Injector:
         """Act on every fault that fires at ``phase`` (not for ``WRITE`` or ``DURING_CALL``)."""
         for index, fault in self.candidates(phase, path):
             if self.claim(index):
-                act(fault, f"{phase.value} of {path}" if path else phase.value, self.rank)
+                where = f"{phase.value} of {path}" if path else phase.value
+                act(fault, where, self.rank, self.trainer)
 
     @property
     def fired(self) -> int:
         return sum(self._fired)
 
 
-def act(fault: Fault, where: str, rank: int) -> None:
-    """Carry out ``fault``'s action (``CORRUPT`` is done by the stream, not here)."""
+def act(fault: Fault, where: str, rank: int, trainer: int | None = None) -> None:
+    """Carry out ``fault``'s action (``CORRUPT`` is done by the stream, not here).
+
+    ``KILL_PARENT`` kills this process's parent only while it is ``trainer`` (when known)
+    and never pid 1: a parent that died first (another rank's failure took the job down)
+    leaves this process adopted by a reaper, which must not be killed."""
     if fault.action == Action.RAISE:
         raise InjectedFault(
             fault.errno,
@@ -181,7 +191,9 @@ def act(fault: Fault, where: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # SIGKILL is asynchronous only in theory; never carry on
     elif fault.action == Action.KILL_PARENT:
-        os.kill(os.getppid(), signal.SIGKILL)
+        parent = os.getppid()
+        if parent != 1 and (trainer is None or parent == trainer):
+            os.kill(parent, signal.SIGKILL)
 
 
 def delay_within(fault: Fault) -> float:

@@ -21,6 +21,7 @@ other people add, and keeps test code out of the backends.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -66,7 +67,8 @@ class _FaultyStream:
             self._offset += cut
             view = view[cut:]
             self._raw.flush()
-            act(fault, f"write of {self._path} at byte {fault.after_bytes}", self._injector.rank)
+            where = f"write of {self._path} at byte {fault.after_bytes}"
+            act(fault, where, self._injector.rank, self._injector.trainer)
         self._raw.write(view)
         self._offset = end
         return total
@@ -149,7 +151,8 @@ class FaultyCall:
     """``fn`` run under ``faults`` (storage and call phases) in whichever process calls it.
 
     Picklable when ``fn`` is, so it can be a request's ``async_fn``: the faults then fire in
-    the background worker. The rank is fixed when the call is made (in the trainer).
+    the background worker. The rank, and the trainer ``Action.KILL_PARENT`` may kill, are
+    fixed when the call is made (in the trainer).
     """
 
     def __init__(
@@ -158,9 +161,10 @@ class FaultyCall:
         self.fn = fn
         self.faults = as_faults(faults)
         self.rank = current_rank() if rank is None else rank
+        self.trainer = os.getpid()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        injector = Injector(self.faults, self.rank)
+        injector = Injector(self.faults, self.rank, self.trainer)
         with installed(injector):
             injector.fire(Phase.BEFORE_CALL)
             cancel = threading.Event()
@@ -187,7 +191,7 @@ def _start_during(
 ) -> threading.Thread:
     def fire_later() -> None:
         if not cancel.wait(delay_within(fault)) and injector.claim(index):
-            act(fault, "a random point of the call", injector.rank)
+            act(fault, "a random point of the call", injector.rank, injector.trainer)
 
     thread = threading.Thread(target=fire_later, name="resilient_ckpt-fault", daemon=True)
     thread.start()
