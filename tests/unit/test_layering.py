@@ -41,6 +41,7 @@ LAYER_OF = {
     "_checksum": BASE,
     "_torch_compat": BASE,
     "_restricted_pickle": BASE,
+    "_telemetry": BASE,
     "utils": BASE,
     "storage": STORAGE,
     "async_ckpt": ASYNC,

@@ -42,6 +42,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .. import _telemetry
 from .._checksum import crc32
 from .._logging import get_logger
 from .._torch_compat import write_item
@@ -205,7 +206,7 @@ def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
         )
     else:
         opened = backend.open_write(path, sync=job.sync_files)
-    with opened as raw:
+    with _telemetry.file_span(name, job.sync_files) as span, opened as raw:
         stream = ChecksumStream(raw, early_writeback=job.sync_files)
         for item, data in bytes_data:
             results.append(write_item(job.transforms, stream, data, item, name))
@@ -214,6 +215,10 @@ def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
                 stream.align(ITEM_ALIGNMENT)
             results.append(write_item(job.transforms, stream, compact(tensor), item, name))
         stream.flush()
+        if span is not None:
+            span.set_attributes(
+                {_telemetry.BYTES: stream.size, "resilient_ckpt.crc32": stream.crc32}
+            )
     return FileRecord(name, stream.size, stream.crc32, results)
 
 

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
 
-from .. import _logging
+from .. import _logging, _telemetry
 from .._logging import get_logger
 from ..errors import CheckpointingException, MainModuleError
 from . import _reports
@@ -101,6 +101,8 @@ class Setup:
     main_module: MainModule
     # The trainer's multiprocessing key: a manager's proxy in a request connects with it.
     authkey: bytes
+    # NVRx's ``otel_bootstrap``: how the worker configures its telemetry (:mod:`.._telemetry`).
+    otel_bootstrap: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ class Submit:
     arena_id: int | None
     slots: tuple[Slot, ...]
     payload: bytes
+    # The trainer's save span (W3C ``traceparent``): the worker's spans are its children.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -350,6 +354,7 @@ def _receive_loop(channel: Channel, arenas: dict[int, Any], work: queue.Queue) -
             body = channel.recv()
         except (EOFError, OSError):
             # The trainer closed its end or died: nothing left to write for.
+            _telemetry.shutdown_worker(1.0)
             os._exit(0)
         if isinstance(body, AttachArena):
             fd = channel.recv_fd()
@@ -383,7 +388,8 @@ def _execute(submit: Submit, arenas: dict[int, Any]) -> Result:
         timings["preload"] = time.perf_counter() - start
         start = time.perf_counter()
         if async_fn is not None:
-            async_fn(*args, **(kwargs or {}))
+            with _telemetry.worker_write():
+                async_fn(*args, **(kwargs or {}))
         timings["write"] = time.perf_counter() - start
         del async_fn, args, kwargs, preload_fn
         return Result(submit.call_idx, None, timings)
@@ -423,6 +429,7 @@ def main(conn: Connection) -> None:
     start_parent_watchdog(setup.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _apply(setup)
+    _telemetry.setup_worker(setup.otel_bootstrap, setup.rank)
     set_qos(setup.cpu_priority, setup.io_priority)
 
     widen_send_buffer(conn)  # a report (a rank's write results) is sent while writing
@@ -439,6 +446,7 @@ def main(conn: Connection) -> None:
     receiver.start()
     gc.freeze()  # what start-up imported lives as long as the worker: never scan it
     _serve(channel, arenas, work)
+    _telemetry.shutdown_worker()
     channel.close()
 
 
@@ -472,7 +480,10 @@ def _serve(channel: Channel, arenas: dict[int, Any], work: queue.Queue) -> None:
             if arena is not None:
                 arena.close()
             continue
-        result = _execute(item, arenas)
+        with _telemetry.worker_request(item.call_idx, item.traceparent) as span:
+            result = _execute(item, arenas)
+            if result.failure is not None:
+                _telemetry.fail_request(span, result.failure.exc_type, result.failure.message)
         try:
             channel.send(result)
         except (BrokenPipeError, OSError):

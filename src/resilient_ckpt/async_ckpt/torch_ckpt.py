@@ -17,6 +17,7 @@ from typing import IO, Any
 
 import torch
 
+from .. import _telemetry
 from ..config import Timeouts
 from ..errors import ConfigurationError
 from ..storage.base import get_backend, is_msc_url
@@ -150,6 +151,7 @@ class TorchAsyncCheckpoint:
         else:
             raise ConfigurationError("TorchAsyncCheckpoint.async_save needs a target path `f`")
         path = _check_target(f)
+        _telemetry.prepare_save("torch", **{_telemetry.CHECKPOINT: path})
         if is_msc_url(path):
             save_fn: Any = save_to_storage
         else:
