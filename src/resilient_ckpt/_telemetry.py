@@ -42,6 +42,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ._logging import get_logger
@@ -82,15 +83,27 @@ _FLUSH_AT_EXIT_S = 5.0
 # -- trainer side ---------------------------------------------------------------------------
 
 
-def _tracing() -> Any:
-    """``opentelemetry.trace`` when the application set a real tracer provider, else None."""
+# The tracer of the provider it came from: a provider's get_tracer is not cheap.
+_tracer_of: tuple[Any, Any] = (None, None)
+# What an off hook returns: one shared no-op context manager, no generator per call.
+_OFF = contextlib.nullcontext()
+
+
+def _tracer() -> Any:
+    """The library's tracer when the application set a real tracer provider, else None."""
+    global _tracer_of
     trace = sys.modules.get("opentelemetry.trace")
     if trace is None:
         return None
     provider = trace.get_tracer_provider()
+    cached_provider, tracer = _tracer_of
+    if provider is cached_provider:
+        return tracer
     if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
         return None
-    return trace
+    tracer = provider.get_tracer(TRACER_NAME)
+    _tracer_of = (provider, tracer)
+    return tracer
 
 
 def _loaded() -> bool:
@@ -112,11 +125,9 @@ class SaveTrace:
     def __init__(self, flow: str, attributes: Mapping[str, Any]) -> None:
         self.attributes: dict[str, Any] = {RANK: _rank(), FLOW: flow}
         self.attributes.update(attributes)
-        trace = _tracing()
+        tracer = _tracer()
         self.span = (
-            trace.get_tracer(TRACER_NAME).start_span(SAVE_SPAN, attributes=self.attributes)
-            if trace is not None
-            else None
+            tracer.start_span(SAVE_SPAN, attributes=self.attributes) if tracer is not None else None
         )
 
     def set(self, **attributes: Any) -> None:
@@ -132,17 +143,13 @@ class SaveTrace:
             return None
         return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
-    @contextlib.contextmanager
-    def phase(self, name: str, **attributes: Any) -> Iterator[Any]:
+    def phase(self, name: str) -> AbstractContextManager[Any]:
         """A child span of the save, current while the block runs; records an exception."""
-        trace = _tracing() if self.span is not None else None
-        if trace is None:
-            yield None
-            return
-        parent = trace.set_span_in_context(self.span)
-        tracer = trace.get_tracer(TRACER_NAME)
-        with tracer.start_as_current_span(name, context=parent, attributes=attributes) as span:
-            yield span
+        tracer = _tracer() if self.span is not None else None
+        if tracer is None:
+            return _OFF
+        parent = sys.modules["opentelemetry.trace"].set_span_in_context(self.span)
+        return tracer.start_as_current_span(name, context=parent)  # type: ignore[no-any-return]
 
     def end(self, error: BaseException | None) -> None:
         if self.span is None:
@@ -192,16 +199,17 @@ def abandon_save(error: BaseException) -> None:
         _record_outcome(pending.attributes, error)
 
 
-@contextlib.contextmanager
 def save_phase(
     name: str, flow: str, save_attributes: Mapping[str, Any] | None = None
-) -> Iterator[Any]:
+) -> AbstractContextManager[Any]:
     """A phase of a save before it is scheduled (the planning): its span, and on an exception
     the whole save ends as failed."""
     pending = prepare_save(flow, **(save_attributes or {}))
-    if pending is None:
-        yield None
-        return
+    return _OFF if pending is None else _pending_phase(pending, name)
+
+
+@contextlib.contextmanager
+def _pending_phase(pending: SaveTrace, name: str) -> Iterator[Any]:
     try:
         with pending.phase(name) as span:
             yield span
@@ -210,15 +218,12 @@ def save_phase(
         raise
 
 
-@contextlib.contextmanager
-def span(name: str, **attributes: Any) -> Iterator[Any]:
+def span(name: str, **attributes: Any) -> AbstractContextManager[Any]:
     """A span under the current one (the commit, inside the finalize span), or None."""
-    trace = _tracing()
-    if trace is None:
-        yield None
-        return
-    with trace.get_tracer(TRACER_NAME).start_as_current_span(name, attributes=attributes) as made:
-        yield made
+    tracer = _tracer()
+    if tracer is None:
+        return _OFF
+    return tracer.start_as_current_span(name, attributes=attributes)  # type: ignore[no-any-return]
 
 
 def begin_save(caller: Any, call_idx: int) -> SaveTrace | None:
@@ -247,13 +252,14 @@ def traceparent(caller: Any, call_idx: int) -> str | None:
     return save.traceparent() if save is not None else None
 
 
-@contextlib.contextmanager
-def phase(caller: Any, call_idx: int, name: str) -> Iterator[None]:
+def phase(caller: Any, call_idx: int, name: str) -> AbstractContextManager[Any]:
     """A child span of a scheduled save (the staging); an exception ends the save as failed."""
     save = save_of(caller, call_idx)
-    if save is None:
-        yield
-        return
+    return _OFF if save is None else _scheduled_phase(save, caller, call_idx, name)
+
+
+@contextlib.contextmanager
+def _scheduled_phase(save: SaveTrace, caller: Any, call_idx: int, name: str) -> Iterator[None]:
     try:
         with save.phase(name):
             yield
@@ -262,20 +268,16 @@ def phase(caller: Any, call_idx: int, name: str) -> Iterator[None]:
         raise
 
 
-@contextlib.contextmanager
-def finalizing(caller: Any, call_idx: int) -> Iterator[None]:
+def finalizing(caller: Any, call_idx: int) -> AbstractContextManager[Any]:
     """The finalize functions of ``call_idx``; an exception ends the save as failed."""
+    return _OFF if not _loaded() else _finalizing(caller, call_idx)
+
+
+@contextlib.contextmanager
+def _finalizing(caller: Any, call_idx: int) -> Iterator[None]:
     save = save_of(caller, call_idx)
-    if save is None:
-        try:
-            yield
-        except BaseException as exc:
-            if _loaded():
-                _record_outcome({RANK: _rank(), FLOW: "async"}, exc)
-            raise
-        return
     try:
-        with save.phase(FINALIZE_SPAN):
+        with save.phase(FINALIZE_SPAN) if save is not None else _OFF:
             yield
     except BaseException as exc:
         end_save(caller, call_idx, None, exc)
@@ -313,11 +315,11 @@ def restore_done(flow: str, nbytes: int, seconds: float, **attributes: Any) -> N
         return
     common: dict[str, Any] = {RANK: _rank(), FLOW: flow}
     _instruments().restore_bytes.add(int(nbytes), common)
-    trace = _tracing()
-    if trace is None:
+    tracer = _tracer()
+    if tracer is None:
         return
     end = time.time_ns()
-    span = trace.get_tracer(TRACER_NAME).start_span(
+    span = tracer.start_span(
         RESTORE_SPAN,
         attributes={**common, BYTES: int(nbytes), **attributes},
         start_time=end - int(seconds * 1e9),
