@@ -15,6 +15,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
+    CachedMetadataFileSystemReader,
+)
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
@@ -107,9 +110,9 @@ def dcp_saves(rank: int, world: int, root: str, url: str, how: str) -> dict[str,
     except CheckpointingException as exc:
         failed = type(exc).__name__
     queue.close()
-    _flush(providers)
     loaded = {key: torch.empty_like(value) for key, value in state.items()}
-    dcp.load(loaded, checkpoint_id=os.path.join(root, "ckpt1"))
+    dcp.load(loaded, storage_reader=CachedMetadataFileSystemReader(os.path.join(root, "ckpt1")))
+    _flush(providers)
     return {
         "failed": failed,
         "exact": all(torch.equal(loaded[k], state[k]) for k in state),

@@ -144,6 +144,13 @@ def test_dcp_saves_one_trace_across_the_worker(tmp_path, how) -> None:
     assert sorted(p.attributes[tm.RANK] for p in failed) == [0, 1]
     assert all(p.value > 0 for p in _points(got, "resilient_ckpt.save.bytes"))
     assert _points(got, "resilient_ckpt.save.finalize")
+    # The restore through our reader: its span and the bytes each rank read from storage.
+    restores = _named(trainer, tm.RESTORE_SPAN)
+    assert sorted(s.attributes[tm.RANK] for s in restores) == [0, 1]
+    assert {s.attributes[tm.FLOW] for s in restores} == {"dcp"}
+    assert all(s.attributes[tm.BYTES] > 0 for s in restores)
+    read = _points(got, "resilient_ckpt.restore.bytes")
+    assert sorted(p.attributes[tm.RANK] for p in read) == [0, 1]
 
 
 @pytest.mark.timeout(300)
