@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from resilient_ckpt import _telemetry as tm
+from resilient_ckpt._telemetry import _trainer, _worker
 from resilient_ckpt.errors import ConfigurationError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
     ],
 )
 def test_what_turns_the_workers_export_on(env, on) -> None:
-    assert tm._env_on(env) is on
+    assert _worker._env_on(env) is on
 
 
 def test_the_bootstrap_is_a_plain_dict() -> None:
@@ -45,7 +46,7 @@ def test_the_bootstrap_is_a_plain_dict() -> None:
 def test_sdk_disabled_wins_over_the_bootstrap(monkeypatch) -> None:
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert tm.setup_worker({"enabled": True, "endpoint": "http://127.0.0.1:9"}, 0) is False
-    assert tm._worker is None
+    assert _worker._current is None
 
 
 def test_a_save_without_opentelemetry_imports_none_of_it(tmp_path) -> None:
@@ -56,7 +57,7 @@ def test_a_save_without_opentelemetry_imports_none_of_it(tmp_path) -> None:
         import sys
         import torch
         from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
-        from resilient_ckpt import _telemetry
+        from resilient_ckpt._telemetry import _trainer
 
         ckpt = TorchAsyncCheckpoint()
         ckpt.async_save({"w": torch.ones(1000)}, "w.pt")
@@ -64,7 +65,7 @@ def test_a_save_without_opentelemetry_imports_none_of_it(tmp_path) -> None:
         ckpt.close()
         loaded = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
         assert not loaded, loaded
-        assert not _telemetry._open and _telemetry._made is None
+        assert not _trainer._open and _trainer._made is None
         assert torch.load("w.pt")["w"].sum() == 1000
         """
     )
@@ -90,4 +91,4 @@ def test_suspended_saves_record_nothing() -> None:
         with tm.phase(caller, 0, tm.STAGE_SPAN), tm.finalizing(caller, 0):
             pass
         tm.end_save(caller, 0, {"stall": 0.1})
-    assert caller not in tm._open
+    assert caller not in _trainer._open
