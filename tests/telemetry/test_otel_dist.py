@@ -162,6 +162,7 @@ def test_tiered_saves_and_restore(tmp_path) -> None:
             lambda g: (
                 len(_named(g.spans, tm.REQUEST_SPAN)) >= 4
                 and len(_named(g.spans, tm.RESTORE_SPAN)) >= 2
+                and len(_named(g.spans, tm.REPLICATE_SPAN)) >= 4
             ),
         )
     assert [r["restored"] for r in results] == [2, 2]
@@ -176,6 +177,26 @@ def test_tiered_saves_and_restore(tmp_path) -> None:
     assert {s.attributes[tm.FLOW] for s in saves} == {"tiered"}
     assert all(s.status == "STATUS_CODE_UNSET" for s in saves)
     _check_worker_children(got.spans, "resilient_ckpt")
+    # The memory tier's replication (the replicator thread) hangs under its save's span.
+    by_id = {s.span_id: s for s in got.spans}
+    replications = _named(got.spans, tm.REPLICATE_SPAN)
+    assert sorted((s.attributes[tm.RANK], s.attributes[tm.STEP]) for s in replications) == [
+        (0, 1),
+        (0, 2),
+        (1, 1),
+        (1, 2),
+    ]
+    for replication in replications:
+        save = by_id[replication.parent_id]
+        assert (
+            save.name == tm.SAVE_SPAN
+            and save.attributes[tm.STEP] == replication.attributes[tm.STEP]
+        )
+        assert save.attributes[tm.RANK] == replication.attributes[tm.RANK]
+    # Step 2 went durable too: the worker wrote its files to both tiers.
+    dirs = {s.attributes[tm.CHECKPOINT] for s in _named(got.spans, tm.FILE_SPAN)}
+    assert any(d.startswith(str(tmp_path / "durable")) for d in dirs), dirs
+    assert any(d.startswith(str(tmp_path / "mem")) for d in dirs), dirs
     restores = _named(got.spans, tm.RESTORE_SPAN)
     assert sorted(s.attributes[tm.RANK] for s in restores) == [0, 1]
     assert all(s.attributes[tm.BYTES] > 0 for s in restores)

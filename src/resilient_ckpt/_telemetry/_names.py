@@ -12,6 +12,7 @@ REQUEST_SPAN = "nvrx.checkpoint.save.request"
 WRITE_SPAN = "nvrx.checkpoint.save.write"
 FILE_SPAN = "resilient_ckpt.write.file"
 RESTORE_SPAN = "resilient_ckpt.restore"
+REPLICATE_SPAN = "resilient_ckpt.tiered.replicate"
 
 RANK = "resilient_ckpt.rank"
 FLOW = "resilient_ckpt.flow"

@@ -206,6 +206,22 @@ def save_of(caller: Any, call_idx: int) -> SaveTrace | None:
     return saves.get(call_idx) if saves else None
 
 
+def span_of(caller: Any, call_idx: int) -> Any:
+    """The span of a scheduled save (None when not traced), to parent work on other threads."""
+    save = save_of(caller, call_idx)
+    return save.span if save is not None else None
+
+
+def child_span(parent: Any, name: str, **attributes: Any) -> AbstractContextManager[Any]:
+    """A child of ``parent`` (from :func:`span_of`) made on another thread, current there while
+    the block runs; an exception is recorded and sets its status ``ERROR``."""
+    tracer = _tracer() if parent is not None else None
+    if tracer is None:
+        return _OFF
+    context = sys.modules["opentelemetry.trace"].set_span_in_context(parent)
+    return tracer.start_as_current_span(name, context=context, attributes=attributes)  # type: ignore[no-any-return]
+
+
 def traceparent(caller: Any, call_idx: int) -> str | None:
     """The W3C trace context for the worker's spans of ``call_idx``; None when not traced."""
     save = save_of(caller, call_idx)

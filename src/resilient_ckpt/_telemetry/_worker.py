@@ -12,7 +12,16 @@ from typing import Any
 from .._logging import get_logger
 from ..config import otel_environment
 from ..errors import ConfigurationError
-from ._names import CALL_IDX, ERROR_TYPE, FILE_SPAN, RANK, REQUEST_SPAN, TRACER_NAME, WRITE_SPAN
+from ._names import (
+    CALL_IDX,
+    CHECKPOINT,
+    ERROR_TYPE,
+    FILE_SPAN,
+    RANK,
+    REQUEST_SPAN,
+    TRACER_NAME,
+    WRITE_SPAN,
+)
 
 logger = get_logger(__name__)
 
@@ -222,7 +231,7 @@ def worker_write() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def file_span(name: str, sync: bool) -> Iterator[Any]:
+def file_span(name: str, sync: bool, directory: str = "") -> Iterator[Any]:
     """One data file written by the worker (any writer thread): its span, or None."""
     telemetry = _current
     if telemetry is None:
@@ -231,7 +240,11 @@ def file_span(name: str, sync: bool) -> Iterator[Any]:
     span = telemetry.tracer.start_span(
         FILE_SPAN,
         context=telemetry.write_context,
-        attributes={"resilient_ckpt.file": name, "resilient_ckpt.fsync": sync},
+        attributes={
+            "resilient_ckpt.file": name,
+            "resilient_ckpt.fsync": sync,
+            CHECKPOINT: directory,
+        },
     )
     try:
         yield span

@@ -206,7 +206,7 @@ def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
         )
     else:
         opened = backend.open_write(path, sync=job.sync_files)
-    with _telemetry.file_span(name, job.sync_files) as span, opened as raw:
+    with _telemetry.file_span(name, job.sync_files, job.checkpoint_dir) as span, opened as raw:
         stream = ChecksumStream(raw, early_writeback=job.sync_files)
         for item, data in bytes_data:
             results.append(write_item(job.transforms, stream, data, item, name))
