@@ -26,6 +26,7 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
 )
 from resilient_ckpt.config import Timeouts
 from resilient_ckpt.errors import CheckpointingException
+from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tests import _helpers
 
 FAST = Timeouts(worker_start=90, finalize=60, collective=60, shutdown=20, poll_interval=0.02)
@@ -75,7 +76,7 @@ def _dcp_save(queue: AsyncCallsQueue, state: dict, path: str) -> None:
 
 
 def dcp_saves(rank: int, world: int, root: str, url: str, how: str) -> dict[str, Any]:
-    """Two async DCP saves, then a save whose write fails on rank 1.
+    """Two async DCP saves, an async local one, then a save whose write fails on rank 1.
 
     ``how``: ``env`` (the worker reads OTEL_EXPORTER_OTLP_ENDPOINT), ``bootstrap`` (the
     worker is warmed up with ``otel_bootstrap``), ``blocked`` (the SDK cannot be imported).
@@ -100,6 +101,9 @@ def dcp_saves(rank: int, world: int, root: str, url: str, how: str) -> dict[str,
     state = {f"r{rank}.w": torch.full((4096,), float(rank)), f"r{rank}.b": torch.arange(100.0)}
     for i in range(2):
         _dcp_save(queue, state, os.path.join(root, f"ckpt{i}"))
+    local = LocalCheckpointManager(os.path.join(root, "local"), "telemetry")
+    queue.schedule_async_request(local.save(BasicTensorAwareStateDict(state), 7, is_async=True))
+    queue.maybe_finalize_async_calls(blocking=True)
     failed = None
     request = AsyncRequest(
         _helpers.fail_on_rank, (1, rank, os.path.join(root, f"bad{rank}.pt"), state), []

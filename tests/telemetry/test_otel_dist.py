@@ -84,7 +84,7 @@ def _points(got: Received, metric: str) -> list:
 def _complete(got: Received, worker_service: str) -> bool:
     workers = [s for s in got.spans if s.resource.get("service.name") == worker_service]
     saves = _named(_trainer(got.spans), tm.SAVE_SPAN)
-    return len(saves) >= 6 and len(_named(workers, tm.REQUEST_SPAN)) >= 6
+    return len(saves) >= 8 and len(_named(workers, tm.REQUEST_SPAN)) >= 8
 
 
 @pytest.mark.timeout(300)
@@ -103,12 +103,16 @@ def test_dcp_saves_one_trace_across_the_worker(tmp_path, how) -> None:
         (0, "async"),
         (0, "dcp"),
         (0, "dcp"),
+        (0, "local"),
         (1, "async"),
         (1, "dcp"),
         (1, "dcp"),
+        (1, "local"),
     ]
     for save in saves:
-        if save.attributes[tm.FLOW] == "dcp":
+        if save.attributes[tm.FLOW] == "local":
+            assert save.attributes[tm.STEP] == 7 and save.status == "STATUS_CODE_UNSET"
+        elif save.attributes[tm.FLOW] == "dcp":
             assert save.status == "STATUS_CODE_UNSET"
             assert save.attributes[tm.BYTES] > 0
             assert save.attributes[tm.CHECKPOINT].startswith(str(tmp_path))
@@ -138,8 +142,12 @@ def test_dcp_saves_one_trace_across_the_worker(tmp_path, how) -> None:
             (1, "dcp"),
         }, metric
     committed = _points(got, "resilient_ckpt.save.committed")
-    assert sorted(p.attributes[tm.RANK] for p in committed) == [0, 1]
-    assert all(p.value == 2 for p in committed)
+    assert sorted((p.attributes[tm.RANK], p.attributes[tm.FLOW], p.value) for p in committed) == [
+        (0, "dcp", 2),
+        (0, "local", 1),
+        (1, "dcp", 2),
+        (1, "local", 1),
+    ]
     failed = _points(got, "resilient_ckpt.save.failed")
     assert sorted(p.attributes[tm.RANK] for p in failed) == [0, 1]
     assert all(p.value > 0 for p in _points(got, "resilient_ckpt.save.bytes"))
