@@ -145,3 +145,20 @@ def tiered_saves(rank: int, world: int, root: str, url: str) -> dict[str, Any]:
     fresh.close()
     _flush(providers)
     return {"restored": restored, "exact": torch.equal(into[key], state[key])}
+
+
+def saves_with_a_slow_collector(rank: int, world: int, root: str, url: str) -> dict[str, Any]:
+    """The worker exports to a collector that answers nothing in time: the saves and the
+    worker's exit take their usual time, its flush at exit is bounded."""
+    import time
+
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = url
+    queue = AsyncCallsQueue(timeouts=FAST)
+    state = {f"r{rank}.w": torch.full((4096,), float(rank))}
+    started = time.monotonic()
+    for i in range(3):
+        _dcp_save(queue, state, os.path.join(root, f"ckpt{i}"))
+    saves_s = time.monotonic() - started
+    started = time.monotonic()
+    queue.close()
+    return {"saves_s": saves_s, "close_s": time.monotonic() - started}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -106,13 +107,18 @@ def _points(body: bytes, into: Received) -> None:
 class Receiver:
     """``with Receiver() as rx:`` serves on ``rx.url`` until the block ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float = 0.0) -> None:
+        """``delay``: seconds each request waits before it is read (a collector that is slow)."""
         self.received = Received()
         self._lock = threading.Lock()
+        self.attempts = 0  # requests that arrived, read or not yet
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
+                with receiver._lock:
+                    receiver.attempts += 1
+                time.sleep(delay)
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)

@@ -213,6 +213,21 @@ def test_tiered_saves_and_restore(tmp_path) -> None:
     assert all(p.attributes[tm.FLOW] == "tiered" for p in read)
 
 
+@pytest.mark.timeout(300)
+def test_a_slow_collector_blocks_no_save_and_no_exit(tmp_path) -> None:
+    # Each export request waits 60 s before the collector reads it: far past the worker's
+    # exporter timeout and its bounded flush at exit.
+    with Receiver(delay=60.0) as rx:
+        results = launch(_jobs.saves_with_a_slow_collector, 2, str(tmp_path), rx.url, timeout=240)
+        attempts = rx.attempts
+    assert attempts >= 1  # the workers did try to export
+    for result in results:
+        # A worker's exit waits at most its flush bound (5 s) and a second; a blocked flush
+        # would hold it past the collector's delay.
+        assert result["close_s"] < 30, results
+        assert result["saves_s"] < 60, results
+
+
 def test_otel_bootstrap_keyword_as_nvrx() -> None:
     # Megatron-LM probes the keyword with inspect.signature before passing its dict.
     for fn in (
