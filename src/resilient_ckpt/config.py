@@ -305,3 +305,10 @@ def read_once_enabled() -> bool:
         f"environment variable {_ENV_PREFIX}READ_ONCE={raw!r} must be 1 (each stored byte read "
         "once across ranks) or 0 (every rank reads all it needs)"
     )
+
+
+def otel_environment() -> dict[str, str]:
+    """OpenTelemetry's standard ``OTEL_*`` variables: the checkpoint worker decides from them
+    whether to export its spans, and how (see :mod:`resilient_ckpt._telemetry`); the SDK's
+    exporters read them too."""
+    return {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}

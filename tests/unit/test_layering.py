@@ -50,6 +50,7 @@ LAYER_OF = {
     "_torch_compat": BASE,
     "_restricted_pickle": BASE,
     "_unpicklable": BASE,
+    "_telemetry": BASE,
     "utils": BASE,
     "storage": STORAGE,
     "async_ckpt": ASYNC,

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .. import _telemetry
 from .._checksum import crc32
 from .._logging import get_logger
 from .._torch_compat import storage_info, write_item
@@ -270,7 +271,7 @@ def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
         )
     else:
         opened = backend.open_write(path, sync=job.sync_files)
-    with opened as raw:
+    with _telemetry.file_span(name, job.sync_files, job.checkpoint_dir) as span, opened as raw:
         stream = ChecksumStream(raw, early_writeback=job.sync_files)
         for item, data in bytes_data:
             results.append(write_item(job.transforms, stream, data, item, name))
@@ -279,6 +280,10 @@ def write_file(job: WriteJob, bucket: WriteBucket) -> FileRecord:
                 stream.align(ITEM_ALIGNMENT)
             results.append(write_item(job.transforms, stream, compact(tensor), item, name))
         stream.flush()
+        if span is not None:
+            span.set_attributes(
+                {_telemetry.BYTES: stream.size, "resilient_ckpt.crc32": stream.crc32}
+            )
     return FileRecord(name, stream.size, stream.crc32, encode_results(results))
 
 

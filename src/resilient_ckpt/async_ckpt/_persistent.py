@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .. import _dist
+from .. import _dist, _telemetry
 from .._logging import get_logger
 from ..config import Timeouts, WorkerOptions
 from ..errors import (
@@ -197,12 +197,15 @@ class PersistentAsyncCaller(AsyncCaller):
         io_priority: int | None = None,
         sigterm_timeout: float = 30.0,
         cpu_shm_mode: bool = False,
+        otel_bootstrap: dict[str, Any] | None = None,
         *,
         timeouts: Timeouts | None = None,
         max_staging_buffers: int = 2,
         copy_threads: int | None = None,
     ) -> None:
         super().__init__(timeouts)
+        # NVRx's keyword: how the worker sets up its telemetry, fixed when it starts.
+        self.otel_bootstrap = _telemetry.check_bootstrap(otel_bootstrap)
         self.copy_threads = check_copy_threads(copy_threads)
         self._snapshot: PendingSnapshot | None = None
         options = WorkerOptions(is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode)
@@ -254,6 +257,7 @@ class PersistentAsyncCaller(AsyncCaller):
                     argv=tuple(sys.argv),
                     main_module=_main_module.describe_main(),
                     authkey=bytes(mp.current_process().authkey),
+                    otel_bootstrap=self.otel_bootstrap,
                 )
             )
             self._ready = False
@@ -351,6 +355,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._drain()  # settles a pending snapshot first
         self.start(wait_ready=False)
         call_idx = async_req.call_idx
+        _telemetry.begin_save(self, call_idx)
         started = time.perf_counter()
         stage_request = functools.partial(
             _complete_and_stage,
@@ -376,7 +381,8 @@ class PersistentAsyncCaller(AsyncCaller):
             self.timings[call_idx] = {"stage": 0.0, "bytes": 0.0}
             self._snapshot = PendingSnapshot(call_idx, background)
             return
-        staged = stage_request()
+        with _telemetry.phase(self, call_idx, _telemetry.STAGE_SPAN):
+            staged = stage_request()
         stage_s = time.perf_counter() - started
         self._inflight[call_idx] = staged.arena.arena_id if staged.arena is not None else None
         self._unfinalized.append(call_idx)
@@ -443,7 +449,8 @@ class PersistentAsyncCaller(AsyncCaller):
                 raise WorkerDiedError(f"rank {self.rank}: checkpoint worker is gone")
             if staged.arena is not None:
                 self._attach(channel, staged.arena)
-            channel.send(Submit(call_idx, arena_id, staged.slots, staged.payload))
+            traceparent = _telemetry.traceparent(self, call_idx)
+            channel.send(Submit(call_idx, arena_id, staged.slots, staged.payload, traceparent))
         except OSError as exc:
             if isinstance(exc, CheckpointingException):
                 # Ours already say what happened (CheckpointTimeoutError is an OSError).

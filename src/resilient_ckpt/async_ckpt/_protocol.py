@@ -75,6 +75,8 @@ class Setup:
     main_module: MainModule
     # The trainer's multiprocessing key: a manager's proxy in a request connects with it.
     authkey: bytes
+    # NVRx's ``otel_bootstrap``: how the worker configures its telemetry (:mod:`.._telemetry`).
+    otel_bootstrap: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,8 @@ class Submit:
     arena_id: int | None
     slots: tuple[Slot, ...]
     payload: bytes
+    # The trainer's save span (W3C ``traceparent``): the worker's spans are its children.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)

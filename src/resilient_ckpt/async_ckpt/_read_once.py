@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .. import _dist
+from .. import _dist, _telemetry
 from .._logging import get_logger
 from .._torch_compat import has_stream_transforms
 from ..config import read_once_enabled
@@ -175,6 +176,8 @@ class ReadOnceReader:
     """
 
     storage_data: dict[Any, Any]
+    # The flow its restores are reported as (:mod:`.._telemetry`); None: its caller reports.
+    telemetry_flow: str | None = "dcp"
 
     def __init__(self, *args: Any, read_once: bool | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -213,15 +216,29 @@ class ReadOnceReader:
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         orders = plan.storage_data
+        started = time.perf_counter()
         if not isinstance(orders, ReadOrders):
-            return self._read_alone(plan, planner)
+            read = self._read_alone(plan, planner)
+            self._report_restore(started, read_once=False)
+            return read
         try:
             _Load(self, plan, planner, orders).run()
         finally:
             self._release_files()
+        self._report_restore(started, read_once=True)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _report_restore(self, started: float, read_once: bool) -> None:
+        if self.telemetry_flow is not None:
+            seconds = time.perf_counter() - started
+            _telemetry.restore_done(
+                self.telemetry_flow,
+                self.bytes_read,
+                seconds,
+                **{"resilient_ckpt.read_once": read_once},
+            )
 
     # -- hooks ----------------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .. import _logging
+from .. import _logging, _telemetry
 from .._logging import get_logger
 from . import _reports
 from ._arena import Arena
@@ -136,6 +136,7 @@ def _receive_loop(channel: Channel, arenas: dict[int, Any], work: queue.Queue) -
             body = channel.recv()
         except (EOFError, OSError):
             # The trainer closed its end or died: nothing left to write for.
+            _telemetry.shutdown_worker(1.0)
             os._exit(0)
         if isinstance(body, AttachArena):
             fd = channel.recv_fd()
@@ -167,7 +168,8 @@ def _execute(submit: Submit, arenas: dict[int, Any]) -> Result:
         timings["preload"] = time.perf_counter() - start
         start = time.perf_counter()
         if async_fn is not None:
-            async_fn(*args, **(kwargs or {}))
+            with _telemetry.worker_write():
+                async_fn(*args, **(kwargs or {}))
         timings["write"] = time.perf_counter() - start
         del async_fn, args, kwargs, preload_fn
         return Result(submit.call_idx, None, timings)
@@ -207,6 +209,7 @@ def main(conn: Connection) -> None:
     start_parent_watchdog(setup.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _apply(setup)
+    _telemetry.setup_worker(setup.otel_bootstrap, setup.rank)
     set_qos(setup.cpu_priority, setup.io_priority)
 
     widen_send_buffer(conn)  # a report (a rank's write results) is sent while writing
@@ -223,6 +226,7 @@ def main(conn: Connection) -> None:
     receiver.start()
     gc.freeze()  # what start-up imported lives as long as the worker: never scan it
     _serve(channel, arenas, work)
+    _telemetry.shutdown_worker()
     channel.close()
 
 
@@ -256,7 +260,10 @@ def _serve(channel: Channel, arenas: dict[int, Any], work: queue.Queue) -> None:
             if arena is not None:
                 arena.close()
             continue
-        result = _execute(item, arenas)
+        with _telemetry.worker_request(item.call_idx, item.traceparent) as span:
+            result = _execute(item, arenas)
+            if result.failure is not None:
+                _telemetry.fail_request(span, result.failure.exc_type, result.failure.message)
         try:
             channel.send(result)
         except (BrokenPipeError, OSError):

@@ -28,6 +28,7 @@ import weakref
 from collections import deque
 from typing import Any, ClassVar, NamedTuple
 
+from .. import _telemetry
 from .._logging import get_logger
 from ..config import Timeouts, WorkerOptions, default_timeouts
 from ..errors import QueueClosedError
@@ -75,6 +76,8 @@ class AsyncCallsQueue:
             to this many snapshots; a further save waits for an earlier one to finish).
         copy_threads: threads copying a snapshot into shared memory (default
             ``min(4, cores / local ranks)``, or ``RESILIENT_CKPT_COPY_THREADS``).
+        otel_bootstrap: how the worker sets up OpenTelemetry (NVRx's keyword, a plain dict;
+            see the docs' Observability page); None: from the environment alone.
     """
 
     _instances: ClassVar[weakref.WeakSet[AsyncCallsQueue]] = weakref.WeakSet()
@@ -88,6 +91,7 @@ class AsyncCallsQueue:
         io_priority: int | None = None,
         sigterm_timeout: float = 30.0,
         cpu_shm_mode: bool = False,
+        otel_bootstrap: dict[str, Any] | None = None,
         *,
         timeouts: Timeouts | None = None,
         max_staging_buffers: int = 2,
@@ -95,6 +99,7 @@ class AsyncCallsQueue:
     ) -> None:
         # Validated now, not when the worker is first started by a save.
         WorkerOptions(is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode)
+        self.otel_bootstrap = _telemetry.check_bootstrap(otel_bootstrap)
         self.persistent = persistent
         self.is_daemon = is_daemon
         self.cpu_priority = cpu_priority
@@ -124,6 +129,11 @@ class AsyncCallsQueue:
             if warmed is not None:
                 AsyncCallsQueue._warmup_persistent_caller = None
                 warmed.timeouts = self.timeouts
+                if self.otel_bootstrap is not None and warmed.otel_bootstrap != self.otel_bootstrap:
+                    logger.warning(
+                        "the pre-warmed checkpoint worker keeps the otel_bootstrap it was "
+                        "started with; pass this queue's to warmup_persistent_caller instead"
+                    )
                 self.persistent_caller = warmed
             else:
                 self.persistent_caller = PersistentAsyncCaller(
@@ -132,6 +142,7 @@ class AsyncCallsQueue:
                     io_priority=self.io_priority,
                     sigterm_timeout=self.sigterm_timeout,
                     cpu_shm_mode=self.cpu_shm_mode,
+                    otel_bootstrap=self.otel_bootstrap,
                     timeouts=self.timeouts,
                     max_staging_buffers=self.max_staging_buffers,
                     copy_threads=self.copy_threads,
@@ -147,8 +158,13 @@ class AsyncCallsQueue:
         io_priority: int | None = None,
         sigterm_timeout: float = 30.0,
         cpu_shm_mode: bool = False,
+        otel_bootstrap: dict[str, Any] | None = None,
     ) -> None:
-        """Start a persistent worker now, so the first save does not pay its start-up."""
+        """Start a persistent worker now, so the first save does not pay its start-up.
+
+        ``otel_bootstrap`` (NVRx's keyword): how the worker sets up OpenTelemetry, a plain
+        dict (see the docs' Observability page); None: from the environment alone.
+        """
         if cls._warmup_persistent_caller is None:
             caller = PersistentAsyncCaller(
                 is_daemon=is_daemon,
@@ -156,6 +172,7 @@ class AsyncCallsQueue:
                 io_priority=io_priority,
                 sigterm_timeout=sigterm_timeout,
                 cpu_shm_mode=cpu_shm_mode,
+                otel_bootstrap=otel_bootstrap,
             )
             caller.start(rank=rank, wait_ready=False)
             cls._warmup_persistent_caller = caller
@@ -249,8 +266,9 @@ class AsyncCallsQueue:
             idx, caller, request = self.async_calls[0]
             try:
                 done = agree_on_call(caller, idx, blocking, no_dist, self.timeouts)
-            except BaseException:
+            except BaseException as exc:
                 self.async_calls.popleft()
+                _telemetry.end_save(caller, idx, self.timings.get(idx), exc)
                 caller.forget(idx)
                 if caller is not self.persistent_caller:
                     # The call failed on some rank (a timeout, a peer's error): its forked
@@ -262,11 +280,13 @@ class AsyncCallsQueue:
             self.async_calls.popleft()
             caller.forget(idx)
             started = time.perf_counter()
-            for finalize_fn in request.finalize_fns:
-                finalize_fn()
+            with _telemetry.finalizing(caller, idx):
+                for finalize_fn in request.finalize_fns:
+                    finalize_fn()
             stats = self.timings.setdefault(idx, {})
             stats["finalize"] = time.perf_counter() - started
             stats.update(getattr(caller, "timings", {}).get(idx, {}))
+            _telemetry.end_save(caller, idx, stats)
             finalized.append(idx)
             logger.info(
                 "finalized async request %d (stall %.4fs, write %.4fs, finalize %.4fs)",

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from .. import _dist
+from .. import _dist, _telemetry
 from .._logging import get_logger
 from .._rank_errors import RankFailureError, from_checkpoint_exception, is_wrapped_failure
 from ..errors import CheckpointingException, ConfigurationError, InvalidRequestError
@@ -196,6 +196,30 @@ def save_state_dict_async_plan(
     instead of here (see :mod:`._staging`). Needs a writer that supports it
     (``FileSystemWriterAsync``) and the default process group; otherwise the call plans.
     """
+    checkpoint = {_telemetry.CHECKPOINT: str(getattr(storage_writer, "checkpoint_id", ""))}
+    with _telemetry.save_phase(_telemetry.PLAN_SPAN, "dcp", checkpoint):
+        return _plan_save(
+            state_dict,
+            storage_writer,
+            process_group,
+            coordinator_rank,
+            planner,
+            enable_cache,
+            metadata_cache,
+            defer_planning,
+        )
+
+
+def _plan_save(
+    state_dict: STATE_DICT_TYPE,
+    storage_writer: Any,
+    process_group: dist.ProcessGroup | None,
+    coordinator_rank: int,
+    planner: SavePlanner | None,
+    enable_cache: bool,
+    metadata_cache: CheckpointMetadataCache | None,
+    defer_planning: bool,
+) -> tuple[Any, Metadata | None, _DistWrapper]:
     use_dist = dist.is_available() and dist.is_initialized()
     dist_wrapper = _DistWrapper(process_group, use_dist, coordinator_rank)
     planner = planner if planner is not None else DefaultSavePlanner()
@@ -524,7 +548,11 @@ def save_state_dict_async_finalize(
             checksums.update(outcome.file_checksums)
         storage_writer.publish_metadata(copy.copy(reuse_metadata_obj), checksums or None)
 
-    with _as_rank_failure("DCP save (write and commit)"), collector_paused():
+    with (
+        _telemetry.span(_telemetry.COMMIT_SPAN),
+        _as_rank_failure("DCP save (write and commit)"),
+        collector_paused(),
+    ):
         dist_wrapper.all_reduce("write", collect, commit)
     logger.info("finalized checkpoint save in %.4fs", time.perf_counter() - started)
     if create_metadata_path is not None:

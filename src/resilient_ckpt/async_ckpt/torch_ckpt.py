@@ -29,6 +29,7 @@ from typing import IO, Any
 
 import torch
 
+from .. import _telemetry
 from .._logging import get_logger
 from ..config import Timeouts
 from ..errors import ConfigurationError
@@ -175,6 +176,7 @@ class TorchAsyncCheckpoint:
         else:
             raise ConfigurationError("TorchAsyncCheckpoint.async_save needs a target path `f`")
         path = _check_target(f)
+        _telemetry.prepare_save("torch", **{_telemetry.CHECKPOINT: path})
         if is_msc_url(path):
             save_fn: Any = save_to_storage
         else:

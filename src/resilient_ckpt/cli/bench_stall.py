@@ -13,6 +13,10 @@ For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) 
   on a persistent ``AsyncCallsQueue``: plan + snapshot, the trainer's blocking time;
 * ``ours torch``: ``TorchAsyncCheckpoint.async_save``; ``ours local``:
   ``LocalCheckpointManager.save(is_async=True)`` + scheduling;
+* ``ours DCP telemetry``: ``ours DCP`` with OpenTelemetry on in the trainer (an SDK as an
+  application configures it: a batch span processor, whose exporter drops the spans, and an
+  in-memory metric reader); every other flow runs with the library's telemetry suspended, so
+  on and off are timed in the same processes, interleaved;
 * ``dcp.async_save``: process mode, torch's plan caching, its shared-memory stager (no
   pinned memory, no non-blocking copies: CPU);
 * the overlapped modes (``overlap_staging=True``): the save call alone, and the later
@@ -60,14 +64,26 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from .. import _telemetry
 from .bench._output import progress
-from .bench.stall_flows import CPU_FLOWS, CUDA_FLOWS, DEFAULT_SHAPES, FLOWS, SHAPES, Config, Flows
+from .bench.stall_flows import (
+    CPU_FLOWS,
+    CUDA_FLOWS,
+    DEFAULT_SHAPES,
+    FLOWS,
+    SHAPES,
+    TELEMETRY_FLOW,
+    Config,
+    Flows,
+    install_telemetry,
+)
 from .bench.stall_report import record, report
 
 # Flows of torch's, not ours: one that fails (a torch release's own bug) is retried with a
@@ -106,8 +122,12 @@ def _rank_main(
     notes: dict[str, str] = {}
     every = {**FLOWS, **(CUDA_FLOWS if cfg.device == "cuda" else CPU_FLOWS)}
     chosen = {name: flow for name, flow in every.items() if name not in cfg.skip}
+    if TELEMETRY_FLOW in chosen and not install_telemetry():
+        del chosen[TELEMETRY_FLOW]
+        failed[TELEMETRY_FLOW] = "the OpenTelemetry SDK is not installed (the otel extra)"
     for shape in cfg.shapes:
-        flows = Flows(rank, world, cfg, shape)
+        with _telemetry.suspended():
+            flows = Flows(rank, world, cfg, shape)
         samples: dict[str, list[float]] = {}
         for rep in range(cfg.warmups + cfg.reps):
             if rank == 0:
@@ -118,7 +138,8 @@ def _rank_main(
                 if name in failed:
                     continue
                 time.sleep(cfg.gap_s)  # the training step between two saves
-                result = _run_flow(name, flow, flows)
+                with nullcontext() if name == TELEMETRY_FLOW else _telemetry.suspended():
+                    result = _run_flow(name, flow, flows)
                 if name in REFERENCE_FLOWS:
                     _clear_aftermath(cfg.device)
                 # Every rank drops a flow that failed on any, so all ranks stay in step.
@@ -142,10 +163,11 @@ def _rank_main(
         for name, value in flows.first.items():
             samples[f"{name}|first"] = [value]
         memory_shape = "64M/2000" if "64M/2000" in cfg.shapes else cfg.shapes[-1]
-        if cfg.memory_saves and shape == memory_shape:
-            for key, value in flows.memory(cfg.memory_saves).items():
-                samples[f"memory|{key}"] = [value]
-        flows.close()
+        with _telemetry.suspended():
+            if cfg.memory_saves and shape == memory_shape:
+                for key, value in flows.memory(cfg.memory_saves).items():
+                    samples[f"memory|{key}"] = [value]
+            flows.close()
         # The slowest rank of each repetition.
         for key, values in samples.items():
             worst = torch.tensor(values, dtype=torch.float64)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from .. import _dist
+from .. import _dist, _telemetry
 from .._logging import get_logger
 from .._rank_errors import RankFailureError, from_checkpoint_exception
 from ..async_ckpt.cached_metadata_filesystem_reader import WeightsOnlyLoadPlanner
@@ -94,6 +94,12 @@ class RestoreSteps:
                 candidate.step,
                 candidate.tier,
                 time.perf_counter() - started,
+            )
+            _telemetry.restore_done(
+                "tiered",
+                reader.bytes_read,
+                time.perf_counter() - started,
+                **{_telemetry.STEP: candidate.step, "resilient_ckpt.tier": candidate.tier},
             )
             self.last_restore = {
                 "step": candidate.step,

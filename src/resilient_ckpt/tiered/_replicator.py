@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _checksum, _dist
+from .. import _checksum, _dist, _telemetry
 from .._logging import get_logger
 from ..async_ckpt._dcp_write import FileRecord, WriteJob, take_report
 from ..errors import (
@@ -72,6 +72,8 @@ class MemorySave:
     storage_meta: Any
     call_finished: threading.Event = field(default_factory=threading.Event)
     future: Future[None] = field(default_factory=Future)
+    # The save's span (telemetry; None when not traced): the replication's is its child.
+    span: Any = None
 
 
 class Replicator:
@@ -116,7 +118,12 @@ class Replicator:
             if save is None:
                 return
             try:
-                self._run(save)
+                with _telemetry.child_span(
+                    save.span,
+                    _telemetry.REPLICATE_SPAN,
+                    **{_telemetry.STEP: save.step, _telemetry.RANK: self.rank},
+                ):
+                    self._run(save)
             except BaseException as exc:
                 save.future.set_exception(exc)
             else:

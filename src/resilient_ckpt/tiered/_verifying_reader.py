@@ -201,6 +201,8 @@ class VerifyingReader(ReadOnceReader, FileSystemReader):
     rank read (not those received).
     """
 
+    telemetry_flow = None  # the manager reports its restore, with the step and the tier
+
     def __init__(
         self,
         checkpoint_id: str,

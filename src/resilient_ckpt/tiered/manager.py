@@ -58,7 +58,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import _dist
+from .. import _dist, _telemetry
 from .._logging import get_logger
 from ..async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from ..async_ckpt.state_dict_saver import (
@@ -269,6 +269,9 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
             else self._saves_since_durable + 1 >= self.options.durable_every
         )
         started = time.perf_counter()
+        _telemetry.prepare_save(
+            "tiered", **{_telemetry.STEP: step, "resilient_ckpt.durable": goes_durable}
+        )
         step_dir = memory_step_dir(self.memory_dir, self.rank, step)
         remove_step(step_dir)  # a stale save of this step from an abandoned run
         writer = open_memory_writer(step_dir, self.options)
@@ -302,6 +305,7 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
         call_idx = self._queue.schedule_async_request(request)
         staged = time.perf_counter()
         memory = MemorySave(step, step_dir, memory_job, metadata, writer.storage_meta())
+        memory.span = _telemetry.span_of(self._queue.persistent_caller, call_idx)
         self._replicator.submit(memory)
         self._pending.append(PendingSave(step, call_idx, memory, goes_durable))
         self._last_step = step

@@ -215,6 +215,10 @@ class Flows:
         self._cleanup(path)
         return {"stall": stall, "snapshot": snapshot, "finalize": finalize_s}
 
+    def ours_dcp_telemetry(self) -> dict[str, float]:
+        """``ours DCP`` with the trainer's telemetry on (see :func:`install_telemetry`)."""
+        return self.ours_dcp()
+
     def ours_dcp_overlap(self) -> dict[str, float]:
         return self.ours_dcp(overlap=True)
 
@@ -337,9 +341,11 @@ class Flows:
             self.parallel.close()
 
 
+TELEMETRY_FLOW = "ours DCP telemetry"
 FLOWS: dict[str, Callable[[Flows], dict[str, float]]] = {
     "memcpy": Flows.copy,
     "ours DCP": Flows.ours_dcp,
+    TELEMETRY_FLOW: Flows.ours_dcp_telemetry,
     "ours torch": Flows.torch_async,
     "ours local": Flows.ours_local,
     "dcp.async_save": Flows.dcp_async_save,
@@ -353,3 +359,32 @@ FLOWS: dict[str, Callable[[Flows], dict[str, float]]] = {
 CPU_FLOWS = {"memcpy threads": Flows.copy_threads}
 # CUDA only: torch's "zero-overhead" staging (pinned memory copied on a background thread).
 CUDA_FLOWS = {"dcp.async_save overlapped": Flows.dcp_async_save_overlap}
+
+
+def install_telemetry() -> bool:
+    """This rank's OpenTelemetry SDK, as an application configures it, for the
+    :data:`TELEMETRY_FLOW` row: spans through a batch processor to an exporter that drops them
+    (the export's network is not the trainer's stall), metrics to an in-memory reader. Every
+    other flow runs with the library's telemetry suspended. False without the SDK."""
+    try:
+        from opentelemetry import metrics, trace
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            SpanExporter,
+            SpanExportResult,
+        )
+    except ImportError:
+        return False
+
+    class _Dropped(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(_Dropped()))
+    trace.set_tracer_provider(provider)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
+    return True

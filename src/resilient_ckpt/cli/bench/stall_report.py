@@ -7,6 +7,7 @@ import sys
 
 from ._output import verdict
 from .common import Figures
+from .stall_flows import TELEMETRY_FLOW
 
 # The target of each row of the table: DESIGN.md section 7 (stall; stall, small states).
 TARGETS = {
@@ -86,6 +87,7 @@ def report(
                 f"{target:>13} {verdict(target, ours / copy):6}   "
                 f"(call + wait for the snapshot: {_ms(snap).strip()} ms)"
             )
+    _telemetry_rows(results, ref)
     for flow, error in (notes or {}).items():
         print(
             f"{flow}: its stager failed when reused ({error}); each save since made a fresh "
@@ -128,6 +130,22 @@ def report(
     sys.stdout.flush()
 
 
+def _telemetry_rows(results: dict[str, dict[str, float]], ref: str) -> None:
+    rows = [(s, f) for s, f in results.items() if f"{TELEMETRY_FLOW}|stall" in f]
+    if not rows:
+        return
+    print(
+        "\nTelemetry: the ours DCP stall with OpenTelemetry on in the trainer (SDK, batch span "
+        "processor, spans dropped at export) / off, same run"
+    )
+    for shape, fig in rows:
+        on, off = fig[f"{TELEMETRY_FLOW}|stall"], fig["ours DCP|stall"]
+        print(
+            f"{shape:<10} {'ours DCP':<28} on {_ms(on)} ms  off {_ms(off)} ms  "
+            f"ratio {on / off:6.2f}  ({on / fig['memcpy|stall']:.2f} x {ref} on)"
+        )
+
+
 def record(results: dict[str, dict[str, float]], ranks: int, device: str = "cpu") -> Figures:
     """The stalls of the printed table, each against the reference of the same run, ours also
     against ``dcp.async_save`` where it ran, and the overlapped save calls (for
@@ -151,6 +169,17 @@ def record(results: dict[str, dict[str, float]], ranks: int, device: str = "cpu"
                 TARGETS[shape] if ours else "",
                 peer="dcp.async_save" if ours and peer else None,
                 peer_value=peer if ours else None,
+            )
+        if f"{TELEMETRY_FLOW}|stall" in fig:
+            figures.add(
+                "stall",
+                case,
+                "ours DCP, telemetry on",
+                fig[f"{TELEMETRY_FLOW}|stall"],
+                ref,
+                copy,
+                peer="ours DCP (telemetry off)",
+                peer_value=fig["ours DCP|stall"],
             )
         for flow, label in _OVERLAPPED.items():
             if f"{flow}|stall" in fig:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ... import _dist
+from ... import _dist, _telemetry
 from ..._logging import get_logger
 from ...async_ckpt._staging import DeferredList, resolved
 from ...async_ckpt.core import AsyncCallsQueue, AsyncRequest
@@ -248,7 +248,9 @@ class BaseCheckpointManager(ABC):
         layout and their agreement run when that request is staged instead of here.
         """
         if is_async and self.defer_planning and self.repl_strategy is None:
-            return self._deferred_request(state_dict, iteration)
+            request = self._deferred_request(state_dict, iteration)
+            _telemetry.prepare_save("local", **{_telemetry.STEP: iteration})
+            return request
         started = time.perf_counter()
         layout, iterations = _dist.run_agreed_int(
             "local checkpoint save", lambda: self._prepare(state_dict, iteration), iteration
@@ -269,12 +271,14 @@ class BaseCheckpointManager(ABC):
                 layout.size,
                 time.perf_counter() - started,
             )
+            _telemetry.prepare_save("local", **{_telemetry.STEP: iteration})
             return request
         self._background.drain(default_timeouts().finalize)
         if is_async:
             sources, ckpt_ids = self._copies(layout, my_id)
             write_fn, targets = self._write_request(iteration, ckpt_ids)
             preload = functools.partial(on_host, sources)
+            _telemetry.prepare_save("local", **{_telemetry.STEP: iteration})
             return AsyncRequest(write_fn, (targets, sources), [finalize], preload_fn=preload)
         self._save_now(layout, my_id)
         finalize()
