@@ -1,0 +1,25 @@
+"""PyTorch-native face: torch's own checkpoint protocols, on this package's engine.
+
+Most PyTorch-native trainers (torchtitan, Lightning's distributed async checkpoint IO) call
+``torch.distributed.checkpoint.async_save`` and pass torch's stagers and writers; they never
+call NVRx's API. This package meets them at torch's protocols instead of asking them to
+adopt ours:
+
+* :func:`async_save` / :func:`save`: torch's signatures and return types, run by the async
+  core (persistent worker, reused staging arenas, plan cache, checksums, verified commit).
+  A trainer switches by one import.
+* :class:`Stager`: torch's ``AsyncStager``, for torch's own ``dcp.async_save`` (thread or
+  process executor): snapshots into reused shared memory that crosses the process
+  executor's pipe as a handle, not a copy.
+* :class:`FileSystemWriter`: a ``StorageWriter`` for torch's ``dcp.save`` and
+  ``dcp.async_save`` that writes this package's files: CRC-32s in the commit record,
+  fsync, ``.metadata`` last and atomic.
+
+Decision: a face of its own on the async core's public API (``AsyncCallsQueue``,
+``save_state_dict_async_plan`` / ``finalize``, ``FileSystemWriterAsync``), not a mode of the
+core: torch's protocols change with torch releases, and the core stays NVRx's contract.
+"""
+
+from ._writer import FileSystemWriter
+
+__all__ = ["FileSystemWriter"]

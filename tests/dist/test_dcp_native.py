@@ -1,0 +1,152 @@
+"""``resilient_ckpt.dcp`` on 2 gloo ranks: its ``async_save``, ``Stager`` and ``FileSystemWriter``
+against torch's own ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` (issue 48).
+
+Each launch costs seconds on a small machine, so each test packs its checks into one launch;
+rank functions assert, and a failure comes back as a ``RankFailure`` with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from resilient_ckpt.cli import main as cli_main
+from resilient_ckpt.testing.launcher import launch
+from tests._helpers import flip_byte
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+PROCESS, THREAD = AsyncCheckpointerType.PROCESS, AsyncCheckpointerType.THREAD
+
+
+def _model(world: int) -> torch.nn.Module:
+    """A small FSDP2 model (the same initial weights on every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _state(model: torch.nn.Module, rank: int, step: int) -> dict[str, Any]:
+    """FSDP2-sharded weights, a replicated tensor, a rank-own value and a step."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(step)  # type: ignore[attr-defined]
+    return {
+        "model": model.state_dict(),
+        "replicated": torch.arange(100, dtype=torch.float64) * step,
+        f"rank{rank}": torch.full((5,), float(rank + step)),
+        "step": step,
+    }
+
+
+def _empty_like(state: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: _empty_like(v) for k, v in state.items()}
+    if isinstance(state, DTensor):
+        return DTensor.from_local(
+            torch.full_like(state.to_local(), -1.0),
+            state.device_mesh,
+            state.placements,
+            shape=state.shape,
+            stride=state.stride(),
+        )
+    if isinstance(state, torch.Tensor):
+        return torch.full_like(state, -1)
+    return None
+
+
+def _assert_same(loaded: Any, saved: Any, where: str = "") -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(saved, dict):
+        assert loaded.keys() == saved.keys(), where
+        for k in saved:
+            _assert_same(loaded[k], saved[k], f"{where}.{k}")
+    elif isinstance(saved, DTensor):
+        assert torch.equal(loaded.to_local(), saved.to_local()), where
+    elif isinstance(saved, torch.Tensor):
+        assert torch.equal(loaded, saved), where
+    else:
+        assert loaded == saved, where
+
+
+def _load_and_compare(path: str, saved: dict[str, Any]) -> None:
+    """Plain torch reads it back bit-exact (on the same sharding)."""
+    target = _empty_like(saved)
+    dcp.load(target, checkpoint_id=path)
+    _assert_same(target, saved)
+
+
+def _clone_state(state: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: _clone_state(v) for k, v in state.items()}
+    if isinstance(state, DTensor):
+        return DTensor.from_local(
+            state.to_local().clone(),
+            state.device_mesh,
+            state.placements,
+            shape=state.shape,
+            stride=state.stride(),
+        )
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    return state
+
+
+# -- FileSystemWriter in torch's own saves -------------------------------------------------------
+
+
+def _torch_saves_with_our_writer(rank: int, world: int, root: str) -> list[str]:
+    from resilient_ckpt.dcp import FileSystemWriter
+
+    model = _model(world)
+    paths = []
+    for step, how in enumerate(("save", "thread", "process"), start=1):
+        path = os.path.join(root, how)
+        state = _state(model, rank, step)
+        expected = _clone_state(state)
+        writer = FileSystemWriter(path)
+        if how == "save":
+            dcp.save(state, storage_writer=writer)
+        else:
+            kind = AsyncCheckpointerType(how)
+            dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind).result()
+        _load_and_compare(path, expected)
+        paths.append(path)
+    return paths
+
+
+def test_our_writer_in_torch_save_and_async_save_records_every_ranks_checksums(
+    tmp_path, capsys
+) -> None:
+    from resilient_ckpt.async_ckpt.verify import verify_checkpoint
+
+    paths = launch(_torch_saves_with_our_writer, 2, str(tmp_path), timeout=240)[0]
+    for path in paths:
+        verified = verify_checkpoint(path)
+        assert verified.checksummed, path
+        # Both ranks' data files are in the table (not only the coordinator's).
+        assert sorted(verified.files) == ["__0_0.distcp", "__1_0.distcp"], verified.files
+        assert cli_main(["verify", path]) == 0
+        assert "every byte checksummed" in capsys.readouterr().out
+    flip_byte(os.path.join(paths[-1], "__1_0.distcp"))
+    assert cli_main(["verify", paths[-1]]) != 0
+    out = capsys.readouterr()
+    assert "__1_0.distcp: CRC32" in out.out + out.err
