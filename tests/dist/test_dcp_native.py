@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from resilient_ckpt.cli import main as cli_main
 from resilient_ckpt.testing.launcher import launch
-from tests._helpers import flip_byte
+from tests._helpers import flip_byte, rss_bytes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -150,3 +150,67 @@ def test_our_writer_in_torch_save_and_async_save_records_every_ranks_checksums(
     assert cli_main(["verify", paths[-1]]) != 0
     out = capsys.readouterr()
     assert "__1_0.distcp: CRC32" in out.out + out.err
+
+
+# -- Stager inside torch's dcp.async_save ------------------------------------------------------
+
+
+def _stager_in_torch(rank: int, world: int, root: str, saves: int) -> dict[str, Any]:
+    from multiprocessing.reduction import ForkingPickler
+
+    import resilient_ckpt.dcp as rdcp
+
+    stager = rdcp.Stager()
+    state = {f"t{i}": torch.rand(64 * 1024) for i in range(32)}  # 8 MiB in 32 tensors
+    state["step"] = 0
+    counts, rss = [], []
+    for n in range(saves):
+        kind = PROCESS if n % 2 else THREAD
+        state["step"] = n
+        for i in range(32):
+            state[f"t{i}"].add_(1.0)
+        expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        path = os.path.join(root, f"r{rank}_{n}")
+        future = dcp.async_save(
+            state,
+            storage_writer=rdcp.FileSystemWriter(path),
+            async_checkpointer_type=kind,
+            async_stager=stager,
+            no_dist=True,
+        )
+        future.result()
+        counts.append(stager.arena_count)
+        rss.append(rss_bytes())
+        if n in (0, 1, saves - 1):
+            target = {
+                k: torch.empty_like(v) if isinstance(v, torch.Tensor) else -1
+                for k, v in expected.items()
+            }
+            dcp.load(target, checkpoint_id=path, no_dist=True)
+            assert all(torch.equal(target[k], expected[k]) for k in expected if k != "step")
+            assert target["step"] == n
+        if n > 2:
+            for name in os.listdir(path):
+                os.unlink(os.path.join(path, name))
+    # What the process executor sends: handles to the arena, not its bytes.
+    staged = stager.stage(state)
+    pointers = [staged[f"t{i}"].data_ptr() for i in range(32)]
+    payload = ForkingPickler.dumps(staged)
+    assert [staged[f"t{i}"].data_ptr() for i in range(32)] == pointers  # not moved
+    assert all(staged[f"t{i}"].untyped_storage().is_shared() for i in range(32))
+    stager.close()
+    stager.close()
+    return {"counts": counts, "rss": rss, "payload": len(payload)}
+
+
+def test_stager_in_torch_async_save_both_executors_keeps_memory_flat(tmp_path) -> None:
+    saves = 50
+    results = launch(_stager_in_torch, 2, str(tmp_path), saves, timeout=280)
+    for result in results:
+        assert max(result["counts"]) <= 2, result["counts"]  # max_arenas: never more
+        assert result["counts"][-1] == result["counts"][10]  # no arena made after the start
+        # RSS after the first saves vs after all of them: less than one state's 8 MiB
+        # (a new staging copy per save would add 8 MiB each time).
+        growth = max(result["rss"][10:]) - result["rss"][10]
+        assert growth < 8 << 20, growth
+        assert result["payload"] < 64 << 10, result["payload"]  # not the 8 MiB

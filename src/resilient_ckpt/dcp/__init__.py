@@ -20,6 +20,7 @@ Decision: a face of its own on the async core's public API (``AsyncCallsQueue``,
 core: torch's protocols change with torch releases, and the core stays NVRx's contract.
 """
 
+from ._stager import Stager
 from ._writer import FileSystemWriter
 
-__all__ = ["FileSystemWriter"]
+__all__ = ["FileSystemWriter", "Stager"]

@@ -1,0 +1,75 @@
+"""``resilient_ckpt.dcp`` in one process: the ``Stager``'s own behaviour and the writer's
+pickling (issue 48)."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+import resilient_ckpt.dcp as rdcp
+from resilient_ckpt.errors import ConfigurationError, StagingError
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_stager_snapshots_in_shared_memory_and_keeps_the_structure() -> None:
+    stager = rdcp.Stager()
+    source = {
+        "w": torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+        "nested": collections.OrderedDict(x=[torch.ones(3, dtype=torch.int8), 5]),
+        "pair": Pair(torch.zeros(2, dtype=torch.float64), "text"),
+        "scalar": torch.tensor(7),
+    }
+    staged = stager.stage(source)
+    assert isinstance(staged, dict) and isinstance(staged["nested"], collections.OrderedDict)
+    assert isinstance(staged["pair"], Pair) and staged["pair"].b == "text"
+    assert torch.equal(staged["w"], source["w"]) and torch.equal(staged["scalar"], source["scalar"])
+    assert staged["w"].untyped_storage().is_shared()
+    source["w"].add_(1)  # a snapshot: training may change the source
+    assert not torch.equal(staged["w"], source["w"])
+    assert stager.arena_count == 1
+    del staged
+    stager.stage(source)  # the first arena is free again: reused
+    assert stager.arena_count == 1
+    stager.close()
+    stager.close()
+    with pytest.raises(StagingError, match="close"):
+        stager.stage(source)
+
+
+def test_stager_bounds_its_arenas_and_names_max_arenas() -> None:
+    stager = rdcp.Stager(max_arenas=1)
+    stager._wait_s = 0.2
+    held = stager.stage({"w": torch.ones(1000)})
+    with pytest.raises(StagingError, match="max_arenas"):
+        stager.stage({"w": torch.ones(1000)})
+    del held
+    assert torch.equal(stager.stage({"w": torch.ones(1000)})["w"], torch.ones(1000))
+    stager.close()
+
+
+def test_stager_async_staging_answers_a_future() -> None:
+    stager = rdcp.Stager(async_staging=True)
+    future = stager.stage({"w": torch.ones(4)})
+    assert isinstance(future, Future)
+    stager.synchronize_staging()
+    assert torch.equal(future.result()["w"], torch.ones(4))
+    stager.close()
+    stager.close()
+
+
+@pytest.mark.parametrize("bad", [{"max_arenas": 0}, {"async_staging": 1}])
+def test_stager_options_are_checked(bad) -> None:
+    with pytest.raises(ConfigurationError, match=next(iter(bad))):
+        rdcp.Stager(**bad)
+
+
+def test_writer_pickles_for_the_process_executor(tmp_path) -> None:
+    writer = rdcp.FileSystemWriter(tmp_path / "ckpt", thread_count=2)
+    copy = pickle.loads(pickle.dumps(writer))
+    assert type(copy) is rdcp.FileSystemWriter and copy.thread_count == 2
+    assert copy.checkpoint_id == str(tmp_path / "ckpt")
