@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from resilient_ckpt.cli import main as cli_main
 from resilient_ckpt.testing.launcher import launch
@@ -150,6 +151,108 @@ def test_our_writer_in_torch_save_and_async_save_records_every_ranks_checksums(
     assert cli_main(["verify", paths[-1]]) != 0
     out = capsys.readouterr()
     assert "__1_0.distcp: CRC32" in out.out + out.err
+
+
+# -- resilient_ckpt.dcp.async_save ----------------------------------------------------------------
+
+
+def _our_async_saves(rank: int, world: int, root: str) -> list[str]:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    import resilient_ckpt.dcp as rdcp
+
+    model = _model(world)
+    gloo = dist.new_group(backend="gloo")  # as torchtitan passes one
+    kinds = []
+    cases = [
+        (THREAD, None, {}),
+        (PROCESS, None, {"process_group": gloo}),
+        (PROCESS, rdcp.Stager(), {}),
+        (THREAD, rdcp.Stager(async_staging=True), {}),
+        (PROCESS, DefaultStager(StagingOptions(False, False, True, False)), {}),
+        (THREAD, None, {"storage_writer": rdcp.FileSystemWriter(os.path.join(root, "x"))}),
+    ]
+    pending = []
+    for step, (kind, stager, extra) in enumerate(cases, start=1):
+        path = os.path.join(root, f"save{step}")
+        state = _state(model, rank, step)
+        expected = _clone_state(state)
+        answer = rdcp.async_save(
+            state,
+            checkpoint_id=path,
+            async_checkpointer_type=kind,
+            async_stager=stager,
+            **extra,
+        )
+        if isinstance(answer, AsyncSaveResponse):
+            kinds.append("response")
+            answer.staging_completion.result()  # the state may change only after this
+            future = answer.upload_completion
+        else:
+            kinds.append(type(answer).__mro__[1].__name__)
+            future = answer
+        pending.append((future, path, expected))
+    for future, path, expected in pending:
+        metadata = future.result()
+        assert future.done()
+        assert (metadata is not None) == (rank == 0)
+        _load_and_compare(path, expected)
+    rdcp.close()
+    rdcp.close()
+    return kinds
+
+
+def test_async_save_round_trips_sharded_and_replicated_state_and_answers_as_torch(
+    tmp_path,
+) -> None:
+    from resilient_ckpt.async_ckpt.verify import verify_checkpoint
+
+    kinds = launch(_our_async_saves, 2, str(tmp_path), timeout=240)
+    expected = ["Future", "Future", "Future", "response", "response", "Future"]
+    assert kinds == [expected, expected]
+    for step in range(1, 7):
+        verified = verify_checkpoint(str(tmp_path / f"save{step}"))
+        assert verified.checksummed and len(verified.files) == 2
+
+
+def _failure_on_rank_1(rank: int, world: int, root: str) -> str:
+    import resilient_ckpt.dcp as rdcp
+    from resilient_ckpt.errors import ConfigurationError, RankFailureError
+    from resilient_ckpt.testing.faults import Action, Fault, FaultyWriter, Phase
+
+    path = os.path.join(root, "failed")
+    fault = Fault(Phase.WRITE, Action.RAISE, ranks=[1], match="*.distcp")
+    state = {"w": torch.arange(1000.0), f"rank{rank}": torch.full((3,), float(rank)), "step": 1}
+    future = rdcp.async_save(state, storage_writer=FaultyWriter(path, faults=[fault]))
+    try:
+        future.result()
+    except RankFailureError as exc:
+        failed = exc.failed_ranks
+    else:
+        raise AssertionError("the save with a failed write on rank 1 did not raise")
+    assert list(failed) == [1], failed
+    assert isinstance(future.exception(), RankFailureError)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+    # The engine goes on: the next save commits.
+    good = os.path.join(root, "good")
+    rdcp.async_save(state, checkpoint_id=good).result()
+    target = {"w": torch.zeros(1000), f"rank{rank}": torch.zeros(3), "step": 0}
+    dcp.load(target, checkpoint_id=good)
+    assert all(torch.equal(target[k], state[k]) for k in ("w", f"rank{rank}"))
+    assert target["step"] == 1
+    # What the engine cannot honour is named, on the rank that passed it.
+    try:
+        rdcp.async_save(state, checkpoint_id=good, no_dist=True)
+    except ConfigurationError as exc:
+        assert "no_dist" in str(exc)
+    else:
+        raise AssertionError("no_dist=True with a process group was accepted")
+    rdcp.close()
+    return type(future.exception()).__name__
+
+
+def test_a_failure_on_one_rank_raises_on_both_and_commits_nothing(tmp_path) -> None:
+    assert launch(_failure_on_rank_1, 2, str(tmp_path), timeout=240) == ["RankFailureError"] * 2
 
 
 # -- Stager inside torch's dcp.async_save ------------------------------------------------------

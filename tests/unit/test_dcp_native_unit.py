@@ -1,17 +1,68 @@
-"""``resilient_ckpt.dcp`` in one process: the ``Stager``'s own behaviour and the writer's
-pickling (issue 48)."""
+"""``resilient_ckpt.dcp`` in one process: torch's signatures, the arguments it refuses (named),
+the ``Stager``'s own behaviour and the writer's pickling (issue 48)."""
 
 from __future__ import annotations
 
 import collections
+import inspect
 import pickle
 from concurrent.futures import Future
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 import resilient_ckpt.dcp as rdcp
+from resilient_ckpt import _torch_compat
 from resilient_ckpt.errors import ConfigurationError, StagingError
+
+
+@pytest.mark.parametrize("ours, theirs", [(rdcp.async_save, dcp.async_save), (rdcp.save, dcp.save)])
+def test_signatures_are_torchs(ours, theirs) -> None:
+    mine, torchs = inspect.signature(ours).parameters, inspect.signature(theirs).parameters
+    assert list(mine) == list(torchs)
+    for name, param in torchs.items():
+        assert mine[name].kind == param.kind, name
+        assert mine[name].default == param.default, name
+
+
+class _OwnStager(AsyncStager):
+    def stage(self, state_dict):  # type: ignore[no-untyped-def]
+        return state_dict
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"use_collectives": False}, "use_collectives"),
+        ({"storage_writer": dcp.FileSystemWriter("/tmp/x")}, "storage_writer"),
+        ({"async_stager": _OwnStager()}, "async_stager"),
+        ({"async_stager": object()}, "async_stager"),
+        ({"async_checkpointer_type": "fork"}, "async_checkpointer_type"),
+        ({"checkpoint_id": None}, "checkpoint_id"),
+    ],
+)
+def test_what_the_engine_cannot_honour_is_refused_by_name(kwargs, named) -> None:
+    kwargs.setdefault("checkpoint_id", "/tmp/never_written")
+    with pytest.raises(ConfigurationError, match=named):
+        rdcp.async_save({"w": torch.ones(2)}, **kwargs)
+
+
+def test_default_stager_mode_and_its_fallback() -> None:
+    assert not _torch_compat.default_stager_is_async(
+        DefaultStager(StagingOptions(False, False, False, False))
+    )
+    background = DefaultStager(StagingOptions(False, False, True, False))
+    assert _torch_compat.default_stager_is_async(background)
+    background.close()
+
+    class Bare:  # a release without _config: the staging executor tells
+        _staging_executor = object()
+
+    assert _torch_compat.default_stager_is_async(Bare())
+    assert not _torch_compat.default_stager_is_async(object())
+
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -73,3 +124,16 @@ def test_writer_pickles_for_the_process_executor(tmp_path) -> None:
     copy = pickle.loads(pickle.dumps(writer))
     assert type(copy) is rdcp.FileSystemWriter and copy.thread_count == 2
     assert copy.checkpoint_id == str(tmp_path / "ckpt")
+
+
+def test_single_process_async_save_and_save_round_trip(tmp_path) -> None:
+    state = {"w": torch.randn(64, 8), "step": 3}
+    first = rdcp.async_save(state, checkpoint_id=tmp_path / "a")
+    assert isinstance(first, Future)
+    rdcp.save(state, checkpoint_id=tmp_path / "b")  # commits the first save too
+    assert first.done()
+    rdcp.close()
+    for name in ("a", "b"):
+        target = {"w": torch.zeros(64, 8), "step": 0}
+        dcp.load(target, checkpoint_id=tmp_path / name)
+        assert torch.equal(target["w"], state["w"]) and target["step"] == 3

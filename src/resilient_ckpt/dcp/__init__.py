@@ -20,7 +20,8 @@ Decision: a face of its own on the async core's public API (``AsyncCallsQueue``,
 core: torch's protocols change with torch releases, and the core stays NVRx's contract.
 """
 
+from ._saver import async_save, close, save
 from ._stager import Stager
 from ._writer import FileSystemWriter
 
-__all__ = ["FileSystemWriter", "Stager"]
+__all__ = ["FileSystemWriter", "Stager", "async_save", "close", "save"]
