@@ -15,13 +15,31 @@ adopt ours:
   ``dcp.async_save`` that writes this package's files: CRC-32s in the commit record,
   fsync, ``.metadata`` last and atomic.
 
+Decision: the module stands in for ``torch.distributed.checkpoint`` as a whole, so the switch
+is one line, ``import resilient_ckpt.dcp as dcp``: every name it does not define (``load``,
+``FileSystemReader``, the planners...) is torch's own, looked up there on use.
+
 Decision: a face of its own on the async core's public API (``AsyncCallsQueue``,
 ``save_state_dict_async_plan`` / ``finalize``, ``FileSystemWriterAsync``), not a mode of the
 core: torch's protocols change with torch releases, and the core stays NVRx's contract.
 """
+
+from typing import Any
 
 from ._saver import async_save, close, save
 from ._stager import Stager
 from ._writer import FileSystemWriter
 
 __all__ = ["FileSystemWriter", "Stager", "async_save", "close", "save"]
+
+
+def __getattr__(name: str) -> Any:
+    """torch's ``torch.distributed.checkpoint`` for every name this module does not define."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    try:
+        return getattr(torch_dcp, name)
+    except AttributeError:
+        raise AttributeError(
+            f"neither resilient_ckpt.dcp nor torch.distributed.checkpoint has {name!r}"
+        ) from None
