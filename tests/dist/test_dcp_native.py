@@ -115,9 +115,10 @@ def _clone_state(state: Any) -> Any:
 
 
 def _torch_saves_with_our_writer(rank: int, world: int, root: str) -> list[str]:
-    from resilient_ckpt.dcp import FileSystemWriter
+    from resilient_ckpt.dcp import FileSystemWriter, Stager
 
     model = _model(world)
+    stager = Stager()  # FSDP2 shards staged as DTensors, for both executors
     paths = []
     for step, how in enumerate(("save", "thread", "process"), start=1):
         path = os.path.join(root, how)
@@ -128,13 +129,16 @@ def _torch_saves_with_our_writer(rank: int, world: int, root: str) -> list[str]:
             dcp.save(state, storage_writer=writer)
         else:
             kind = AsyncCheckpointerType(how)
-            dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind).result()
+            dcp.async_save(
+                state, storage_writer=writer, async_checkpointer_type=kind, async_stager=stager
+            ).result()
         _load_and_compare(path, expected)
         paths.append(path)
+    stager.close()
     return paths
 
 
-def test_our_writer_in_torch_save_and_async_save_records_every_ranks_checksums(
+def test_our_writer_and_stager_in_torch_save_and_async_save_record_every_ranks_checksums(
     tmp_path, capsys
 ) -> None:
     from resilient_ckpt.async_ckpt.verify import verify_checkpoint

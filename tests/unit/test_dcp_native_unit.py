@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import inspect
 import pickle
+import subprocess
+import sys
 from concurrent.futures import Future
 
 import pytest
@@ -137,3 +139,34 @@ def test_single_process_async_save_and_save_round_trip(tmp_path) -> None:
         target = {"w": torch.zeros(64, 8), "step": 0}
         dcp.load(target, checkpoint_id=tmp_path / name)
         assert torch.equal(target["w"], state["w"]) and target["step"] == 3
+
+
+def test_dtensor_around_keeps_the_shard_in_place_and_its_fallback_agrees() -> None:
+    """The private constructor and the public ``from_local`` fallback give the same DTensor
+    around the given shard (on a CPU mesh, where ``from_local`` moves nothing)."""
+    code = """
+import torch, torch.distributed as dist
+from resilient_ckpt import _torch_compat as c
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+mesh = init_device_mesh("cpu", (1,))
+source = DTensor.from_local(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)], run_check=False)
+class NoSpec:  # a release without _spec: the public path
+    from_local = staticmethod(DTensor.from_local)
+    def __init__(self, d):
+        self.device_mesh, self.placements, self.shape = d.device_mesh, d.placements, d.shape
+        self.stride = d.stride
+shard = torch.ones(3, 2)
+built = c.dtensor_around(source, shard)
+assert type(built) is DTensor and built.to_local().data_ptr() == shard.data_ptr()
+fallback = c.dtensor_around(NoSpec(source), shard)
+assert type(fallback) is DTensor
+for a in (built, fallback):
+    assert (a.placements, a.shape, a.stride(), a.device_mesh) == (
+        source.placements, source.shape, source.stride(), source.device_mesh)
+    assert torch.equal(a.to_local(), shard)
+    assert not a.requires_grad
+dist.destroy_process_group()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

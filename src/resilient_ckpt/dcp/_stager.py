@@ -3,9 +3,12 @@
 What it decides:
 
 * **Where the snapshot goes.** Every tensor of the state is copied into one arena per
-  snapshot: a single shared-memory storage (``UntypedStorage.share_memory_()``, torch's own
-  sharing allocator), each staged tensor a view of it at a 64-byte aligned offset. DTensors
-  are staged as their local shard and rebuilt around it with the same mesh and placements;
+  snapshot: shared-memory storages (``UntypedStorage.share_memory_()``, torch's own sharing
+  allocator), the plain tensors as views of one storage at 64-byte aligned offsets, each
+  DTensor shard in a storage of its own (torch crashes pickling a DTensor whose shard starts
+  at an offset inside its storage). DTensors
+  are staged as their local shard and rebuilt around it with the same mesh and placements
+  (the shard stays in host memory, also for a CUDA mesh);
   other values are deep-copied, as torch's ``DefaultStager`` does.
 * **Crossing torch's process executor without a copy.** That executor pickles the staged
   dict over a pipe to its daemon with torch's multiprocessing reducers. A tensor whose
@@ -47,7 +50,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from .._logging import get_logger
-from .._torch_compat import loaded_dtensor
+from .._torch_compat import dtensor_around, loaded_dtensor
 from ..config import default_timeouts
 from ..errors import ConfigurationError, StagingError
 
@@ -63,12 +66,21 @@ def _align(n: int) -> int:
 
 
 class _Arena:
-    """One shared-memory storage and weak references to the tensors staged into it."""
+    """Shared-memory storages for one snapshot, and weak references to the tensors staged
+    into them. ``sizes[0]`` bytes hold the plain tensors, one after the other; each DTensor
+    shard has a storage of its own (``sizes[1:]``, in walk order): torch 2.13 crashes
+    pickling a DTensor whose shard starts inside a storage (a nonzero storage offset)."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.storage = torch.UntypedStorage(nbytes).share_memory_()
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.sizes = sizes
+        self.nbytes = sum(sizes)
+        self.storages = [torch.UntypedStorage(max(n, _ALIGN)).share_memory_() for n in sizes]
         self._handed_out: list[weakref.ref] = []
+
+    def fits(self, sizes: tuple[int, ...]) -> bool:
+        return len(sizes) == len(self.sizes) and all(
+            need <= have for need, have in zip(sizes, self.sizes, strict=True)
+        )
 
     def in_use(self) -> bool:
         self._handed_out = [ref for ref in self._handed_out if ref() is not None]
@@ -77,11 +89,11 @@ class _Arena:
     def hand_out(self, objects: list[Any]) -> None:
         self._handed_out = [weakref.ref(obj) for obj in objects]
 
-    def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+    def view(self, storage: int, offset: int, like: torch.Tensor) -> torch.Tensor:
         out = torch.empty((0,), dtype=like.dtype)
         shape = list(like.shape)
         strides = _contiguous(shape)
-        return out.set_(self.storage, offset // like.element_size(), shape, strides)
+        return out.set_(self.storages[storage], offset // like.element_size(), shape, strides)
 
 
 def _contiguous(shape: list[int]) -> list[int]:
@@ -92,12 +104,12 @@ def _contiguous(shape: list[int]) -> list[int]:
     return strides[::-1]
 
 
-def _sources(obj: Any, dtensor: Any, found: list[torch.Tensor]) -> None:
-    """Every tensor to stage in ``obj``, in walk order (a DTensor's local shard)."""
+def _sources(obj: Any, dtensor: Any, found: list[tuple[torch.Tensor, bool]]) -> None:
+    """Every tensor to stage in ``obj``, in walk order, and whether it is a DTensor's shard."""
     if dtensor is not None and isinstance(obj, dtensor):
-        found.append(obj.to_local())
+        found.append((obj.to_local(), True))
     elif isinstance(obj, torch.Tensor):
-        found.append(obj)
+        found.append((obj, False))
     elif isinstance(obj, dict):
         for value in obj.values():
             _sources(value, dtensor, found)
@@ -110,15 +122,7 @@ def _rebuild(obj: Any, dtensor: Any, staged: Any, kept: list[Any]) -> Any:
     """``obj`` with every tensor replaced by the next of ``staged`` (the same walk as
     :func:`_sources`); what is put into the result is appended to ``kept``."""
     if dtensor is not None and isinstance(obj, dtensor):
-        local = next(staged)
-        out = dtensor.from_local(
-            local,
-            obj.device_mesh,
-            obj.placements,
-            run_check=False,
-            shape=obj.shape,
-            stride=obj.stride(),
-        )
+        out = dtensor_around(obj, next(staged))
         kept.append(out)
         return out
     if isinstance(obj, torch.Tensor):
@@ -208,16 +212,21 @@ class Stager(AsyncStager):
 
     def _stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
         dtensor = loaded_dtensor()
-        sources: list[torch.Tensor] = []
+        sources: list[tuple[torch.Tensor, bool]] = []
         _sources(state_dict, dtensor, sources)
-        offsets, total = [], 0
-        for tensor in sources:
-            offsets.append(total)
-            total += _align(tensor.numel() * tensor.element_size())
-        arena = self._acquire(max(total, _ALIGN))
+        places, plain, shards = [], 0, []
+        for tensor, is_shard in sources:
+            nbytes = _align(tensor.numel() * tensor.element_size())
+            if is_shard:
+                shards.append(nbytes)
+                places.append((len(shards), 0))
+            else:
+                places.append((0, plain))
+                plain += nbytes
+        arena = self._acquire((plain, *shards))
         views = []
-        for tensor, offset in zip(sources, offsets, strict=True):
-            view = arena.view(offset, tensor)
+        for (tensor, _), (storage, offset) in zip(sources, places, strict=True):
+            view = arena.view(storage, offset, tensor)
             view.copy_(tensor.detach())
             views.append(view)
         kept: list[Any] = []
@@ -225,23 +234,25 @@ class Stager(AsyncStager):
         arena.hand_out(kept)
         return staged  # type: ignore[no-any-return]
 
-    def _acquire(self, nbytes: int) -> _Arena:
-        """A free arena of at least ``nbytes`` (waiting for one while ``max_arenas`` are in
-        use, up to the deadline)."""
+    def _acquire(self, sizes: tuple[int, ...]) -> _Arena:
+        """A free arena that fits ``sizes`` (waiting for one while ``max_arenas`` are in use,
+        up to the deadline)."""
         deadline = time.monotonic() + self._wait_s
         collected = False
         while True:
             with self._lock:
                 free = [a for a in self._arenas if not a.in_use()]
-                fitting = [a for a in free if a.nbytes >= nbytes]
+                fitting = [a for a in free if a.fits(sizes)]
                 if fitting:
                     return min(fitting, key=lambda a: a.nbytes)
                 if free or len(self._arenas) < self.max_arenas:
                     if free:  # too small: replaced, so memory follows the state
                         self._arenas.remove(max(free, key=lambda a: a.nbytes))
-                    arena = _Arena(nbytes)
+                    arena = _Arena(sizes)
                     self._arenas.append(arena)
-                    logger.debug("staging arena of %d bytes (%d alive)", nbytes, len(self._arenas))
+                    logger.debug(
+                        "staging arena of %d bytes (%d alive)", arena.nbytes, len(self._arenas)
+                    )
                     return arena
             if not collected:  # a staged dict kept only by a reference cycle
                 gc.collect()
