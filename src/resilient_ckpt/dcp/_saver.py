@@ -124,7 +124,9 @@ def _get_engine() -> _Engine:
 class _SaveFuture(Future):
     """A save's completion: set when the save is committed (or failed) on every rank.
     ``result()`` and ``exception()`` commit what is pending first (collective: every rank
-    calls them, in the same order as its saves)."""
+    calls them, in the same order as its saves); that wait is bounded by the engine's
+    finalize deadline (``RESILIENT_CKPT_FINALIZE_TIMEOUT``), not by ``timeout``, which a
+    rank alone cannot apply to a collective."""
 
     def __init__(self, engine: _Engine) -> None:
         super().__init__()
