@@ -314,10 +314,12 @@ def test_stager_in_torch_async_save_both_executors_keeps_memory_flat(tmp_path) -
     saves = 50
     results = launch(_stager_in_torch, 2, str(tmp_path), saves, timeout=280)
     for result in results:
-        assert max(result["counts"]) <= 2, result["counts"]  # max_arenas: never more
-        assert result["counts"][-1] == result["counts"][10]  # no arena made after the start
-        # RSS after the first saves vs after all of them: less than one state's 8 MiB
-        # (a new staging copy per save would add 8 MiB each time).
+        # At most max_arenas (2) ever exist: a second one appears when a save is staged while
+        # the executor still holds the previous snapshot, never a third (a snapshot not
+        # reused would make the 3rd save wait and fail with StagingError).
+        assert max(result["counts"]) <= 2, result["counts"]
+        # RSS from the 10th save to the last: less than the two arenas' 16 MiB plus slack
+        # (a new staging copy per save would add 8 MiB each time, 320 MiB over 40 saves).
         growth = max(result["rss"][10:]) - result["rss"][10]
-        assert growth < 8 << 20, growth
+        assert growth < 24 << 20, growth
         assert result["payload"] < 64 << 10, result["payload"]  # not the 8 MiB
