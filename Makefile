@@ -6,6 +6,11 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: venv test lint typecheck pytest demo bench docs clean
 
+# torchtitan (tests/dist/test_dcp_torchtitan.py runs its CheckpointManager) declares datasets,
+# wandb, tensorboard... that its checkpointer never imports: installed without dependencies,
+# with the few its import chain needs, each pinned in constraints.txt.
+TORCHTITAN := torchtitan tyro spmd_types docstring-parser typeguard
+
 # The 'megatron' extra (megatron-core for tests/compat/test_megatron.py) declares Python >= 3.12
 # but runs on 3.11: it has its own step, so --ignore-requires-python applies to nothing else.
 $(STAMP): pyproject.toml constraints.txt
@@ -13,6 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,docs]'
 	$(BIN)/python -m pip install -q -c constraints.txt --ignore-requires-python -e '.[megatron]'
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps $(TORCHTITAN)
 	touch $(STAMP)
 
 venv: $(STAMP)

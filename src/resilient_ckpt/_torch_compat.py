@@ -61,6 +61,18 @@ The private names, what each is for, the releases tested and the fallback:
     Used only after a probe at first use shows it tells each of those fields apart; always
     built with both keyword arguments, which its constructor reads unchecked. Tested: 2.13.
     Fallback: None, and the caller reads the same fields from Python.
+``DefaultStager._config`` (:func:`default_stager_is_async`)
+    Whether a ``torch.distributed.checkpoint.staging.DefaultStager`` stages in the
+    background (its ``StagingOptions.use_async_staging``, which decides whether torch's
+    ``dcp.async_save`` answers with an ``AsyncSaveResponse``): ``resilient_ckpt.dcp.async_save``
+    answers as torch would for the same stager. Tested: 2.13. Fallback: whether it has a
+    staging executor (``_staging_executor``), else False (a plain ``Future`` is returned).
+``DTensor(local, DTensor._spec, requires_grad=False)`` (:func:`dtensor_around`)
+    A DTensor of the same mesh, placements, shape and stride around a staged local shard, the
+    shard left where it is (host memory): ``DTensor.from_local`` would move a host shard to
+    a CUDA mesh's device, undoing the staging. Used by ``resilient_ckpt.dcp.Stager``. Tested:
+    2.13 (CPU meshes; the fallback gives the same DTensor there). Fallback:
+    ``DTensor.from_local(..., run_check=False, shape=, stride=)``.
 ``torch.distributed._tensor`` (``DTensor``, ``Replicate``, ``Shard``, ``distribute_tensor``)
     Torch 2.4's home of DTensor; the public ``torch.distributed.tensor`` is used from 2.5 on.
     Tested: 2.13, which takes the public path.
@@ -90,7 +102,9 @@ __all__ = [
     "REBUILD_TENSOR",
     "Shard",
     "cuda_devices_with_context",
+    "default_stager_is_async",
     "distribute_tensor",
+    "dtensor_around",
     "extra_safe_globals",
     "has_stream_transforms",
     "dtensor_specs",
@@ -509,3 +523,31 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
         if hasattr(module, name):
             found[(module.__name__, name)] = getattr(module, name)
     return found
+
+
+def default_stager_is_async(stager: Any) -> bool:
+    """Whether torch's ``DefaultStager`` ``stager`` stages in the background (its ``stage``
+    returns a ``Future``); see the module note."""
+    config = getattr(stager, "_config", None)
+    if config is not None and isinstance(getattr(config, "use_async_staging", None), bool):
+        return bool(config.use_async_staging)
+    return getattr(stager, "_staging_executor", None) is not None
+
+
+def dtensor_around(dtensor: Any, local: torch.Tensor) -> Any:
+    """A DTensor like ``dtensor`` (mesh, placements, global shape and stride) whose local
+    shard is ``local``, not moved to the mesh's device; see the module note."""
+    spec = getattr(dtensor, "_spec", None)
+    if spec is not None:
+        try:
+            return type(dtensor)(local, spec, requires_grad=False)
+        except TypeError:  # another constructor: the public path below
+            pass
+    return type(dtensor).from_local(
+        local,
+        dtensor.device_mesh,
+        dtensor.placements,
+        run_check=False,
+        shape=dtensor.shape,
+        stride=dtensor.stride(),
+    )

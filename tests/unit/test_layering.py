@@ -64,6 +64,9 @@ LAYER_OF = {
     "demo": FACES,
     # The NVRx import alias (issue 12): a face, it hands out every module by another name.
     "compat": FACES,
+    # PyTorch-native face (issue 48): torch's dcp.async_save / AsyncStager / StorageWriter
+    # protocols on the async core's public API.
+    "dcp": FACES,
     "testing": TESTING,
 }
 

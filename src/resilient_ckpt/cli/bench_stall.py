@@ -19,6 +19,10 @@ For each state shape (per rank: 2 MB in 64 tensors, 64 MB in 2000, 256 MB in 8) 
   on and off are timed in the same processes, interleaved;
 * ``dcp.async_save``: process mode, torch's plan caching, its shared-memory stager (no
   pinned memory, no non-blocking copies: CPU);
+* ``ours dcp.async_save``: :func:`resilient_ckpt.dcp.async_save` called as torchtitan calls
+  torch's (a checkpoint id, the process executor); ``dcp.async_save + Stager``: the
+  ``dcp.async_save`` flow with :class:`resilient_ckpt.dcp.Stager` in place of torch's
+  ``DefaultStager`` (and the number of its arenas after the run);
 * the overlapped modes (``overlap_staging=True``): the save call alone, and the later
   ``wait_for_snapshot``; ``ours DCP overlapped+defer`` plans at staging too
   (``defer_planning=True``), so the call leaves the planning to the staging thread;

@@ -10,6 +10,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +121,9 @@ class Flows:
             True: StagingOptions(),
         }
         self.stager = DefaultStager(self.stager_options[False])
+        from ...dcp import Stager
+
+        self.rc_stager = Stager()
         self.overlap_stager = DefaultStager(self.stager_options[True]) if cuda else None
         # Reference flows whose stager failed when reused: each save then makes its own
         # (torch's default when no stager is passed), its set-up counted in the stall.
@@ -317,6 +321,50 @@ class Flows:
     def dcp_async_save_overlap(self) -> dict[str, float]:
         return self.dcp_async_save(overlap=True)
 
+    def ours_dcp_native(self) -> dict[str, float]:
+        """``resilient_ckpt.dcp.async_save`` called as torchtitan calls torch's (a checkpoint
+        id and the process executor): the call is the stall; ``result()`` commits."""
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        from ... import dcp as rdcp
+
+        path = self._path("native")
+        dist.barrier()
+        started = time.perf_counter()
+        future = rdcp.async_save(
+            self.sharded, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        )
+        stall = time.perf_counter() - started
+        if not isinstance(future, Future):  # no background stager: a Future, as torch's
+            raise CheckpointingException(f"resilient_ckpt.dcp.async_save answered {future!r}")
+        future.result()
+        self._cleanup(path)
+        return {"stall": stall}
+
+    def dcp_async_save_stager(self) -> dict[str, float]:
+        """torch's ``dcp.async_save`` exactly as the ``dcp.async_save`` flow, with our
+        ``Stager`` in place of torch's ``DefaultStager``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        path = self._path("torch_dcp_stager")
+        dist.barrier()
+        started = time.perf_counter()
+        future = dcp.async_save(
+            self.sharded,
+            storage_writer=dcp.FileSystemWriter(path, thread_count=2),
+            planner=DefaultSavePlanner(enable_plan_caching=True),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=self.rc_stager,
+        )
+        stall = time.perf_counter() - started
+        if not isinstance(future, Future):  # a synchronous stager: a Future
+            raise CheckpointingException(f"dcp.async_save with our Stager answered {future!r}")
+        future.result()
+        self._cleanup(path)
+        return {"stall": stall, "arenas": float(self.rc_stager.arena_count)}
+
     def memory(self, saves: int) -> dict[str, float]:
         import psutil
 
@@ -332,7 +380,11 @@ class Flows:
         return {"rss_growth": (peak - rss0) / rss0, "new_memfds": float(memfds() - fds0)}
 
     def close(self) -> None:
+        from ... import dcp as rdcp
+
         self._close_flows()
+        rdcp.close()
+        self.rc_stager.close()
         self.stager.close()
         if self.overlap_stager is not None:
             self.overlap_stager.close()
@@ -349,6 +401,8 @@ FLOWS: dict[str, Callable[[Flows], dict[str, float]]] = {
     "ours torch": Flows.torch_async,
     "ours local": Flows.ours_local,
     "dcp.async_save": Flows.dcp_async_save,
+    "ours dcp.async_save": Flows.ours_dcp_native,
+    "dcp.async_save + Stager": Flows.dcp_async_save_stager,
     "ours DCP overlapped": Flows.ours_dcp_overlap,
     "ours DCP overlapped+defer": Flows.ours_dcp_overlap_defer,
     "ours torch overlapped": Flows.torch_async_overlap,
