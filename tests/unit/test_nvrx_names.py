@@ -32,3 +32,14 @@ def test_results_queue_refuses_an_unknown_start_method() -> None:
     with pytest.raises(ValueError):
         filesystem_async.get_write_results_queue(mp_mode="no-such-method")
     assert filesystem_async._results_queue is None
+
+
+def test_metadata_cache_is_initialised_without_loaded_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from resilient_ckpt.async_ckpt import state_dict_saver
+
+    monkeypatch.setattr(state_dict_saver, "_checkpoint_metadata_cache", None)
+    assert state_dict_saver.get_metadata_caching_status() is None
+    state_dict_saver.init_checkpoint_metadata_cache()  # as NVRx's async_writer example calls it
+    assert state_dict_saver.get_metadata_caching_status() == (False, False)
