@@ -2,9 +2,9 @@
 
 The async DCP flow keeps NVRx's public names at NVRx's module paths (DESIGN.md section 1).
 Most of them are the flow itself (``FileSystemWriterAsync.prepare_write_data``,
-``save_state_dict_async_plan``, ...). The ones here are not: nothing in this package calls
-them, they stand where NVRx's callers look. Keeping them in one module keeps the writer and
-the plan cache to what they do, and shows in one place what the compatibility costs.
+``save_state_dict_async_plan``, ...). The ones here are not: no save calls them, they stand
+where NVRx's callers look. Keeping them in one module keeps the writer and the plan cache to
+what a save uses, and shows in one place what the compatibility costs.
 
 * :class:`WriterNames`, a base of ``filesystem_async.FileSystemWriterAsync``:
 
@@ -26,12 +26,14 @@ the plan cache to what they do, and shows in one place what the compatibility co
   ``_results_queue._manager.shutdown()`` when it resets the worker. Nothing puts into or
   gets from it, here or there, so it is a plain in-process queue, made on the first call; a
   ``multiprocessing`` manager (NVRx's) would start a server process per trainer for nothing.
-  The function and the global stay in ``filesystem_async``: Megatron reads the global there.
+  The function and the global stay in ``filesystem_async``: Megatron reads the global there,
+  and a function here could only set it through a module ``__getattr__``.
 
 * :class:`MetadataCacheNames`, a base of ``state_dict_saver.CheckpointMetadataCache``:
   NVRx's methods over the cache's NVRx attributes. ``set_cached_global_metadata``
   (Megatron's ``TorchDistSaveShardedStrategy`` seeds the cache with a loaded checkpoint's
-  metadata; ``init_checkpoint_metadata_cache`` does the same) and
+  metadata, whose ``all_local_plans`` a decentralized planning may reuse;
+  ``init_checkpoint_metadata_cache`` does the same) and
   ``get_metadata_caching_status`` (``state_dict_saver.get_metadata_caching_status``);
   ``set_cache_metadata``, ``prepare_save_state_dict_ret`` and ``get_cache_metadata`` are the
   steps NVRx's own ``save_state_dict_async_plan`` runs on the cache, kept for code that drives
