@@ -32,9 +32,9 @@ own flattening of the planned state visited exactly the walk's leaves (object by
 Other planners run their own set-up.
 
 **The cache.** :class:`CheckpointMetadataCache` holds what NVRx's class of that name holds,
-under NVRx's attribute and method names (Megatron-LM reads and sets them), plus the record
-of the state it was planned for, under its key. It only keeps them; the saver decides when
-they are valid.
+under NVRx's attribute names (Megatron-LM reads and sets them; NVRx's methods over them are
+in :mod:`._nvrx`), plus the record of the state it was planned for, under its key. It only
+keeps them; the saver decides when they are valid.
 """
 
 from __future__ import annotations
@@ -54,12 +54,9 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import _dist
-from .._logging import get_logger
 from ..errors import CheckpointingException, ConfigurationError
+from ._nvrx import MetadataCacheNames
 from ._structure import Structure, StructureCache, walk
-
-logger = get_logger(__name__)
-
 
 # -- what a plan depends on ------------------------------------------------------------------
 
@@ -142,7 +139,7 @@ class PlanRecord:
 # -- the plan cache --------------------------------------------------------------------------------
 
 
-class CheckpointMetadataCache:
+class CheckpointMetadataCache(MetadataCacheNames):
     """Plans and global metadata of the last full planning, reused while valid.
 
     Attributes (NVRx names): ``cached_central_plan`` (this rank's final plan),
@@ -151,7 +148,7 @@ class CheckpointMetadataCache:
     ``validated_loaded_metadata_reuse`` (the last decentralized save reused metadata loaded
     from a previous checkpoint), ``loaded_all_plans`` (from that metadata). Ours:
     ``structures`` (the record of the state the cache was built for, under its structure
-    key), ``hits``, ``misses``.
+    key), ``hits``, ``misses``. NVRx's methods over them: :class:`._nvrx.MetadataCacheNames`.
     """
 
     def __init__(self) -> None:
@@ -165,47 +162,6 @@ class CheckpointMetadataCache:
         self.structures: StructureCache[PlanRecord] = StructureCache()
         self.hits = 0
         self.misses = 0
-
-    def set_cached_global_metadata(self, cached_global_metadata: Metadata) -> None:
-        """Metadata loaded from a previous checkpoint (for decentralized planners)."""
-        self.cached_global_metadata = cached_global_metadata
-        self.loaded_all_plans = getattr(cached_global_metadata, "all_local_plans", None)
-        if self.loaded_all_plans is None:
-            logger.debug("metadata has no all_local_plans: its reuse cannot be verified")
-
-    def set_cache_metadata(
-        self, central_plan: SavePlan, local_plan: SavePlan, global_md_verify_reuse: bool
-    ) -> None:
-        """NVRx-compatible update: remember the plans; valid if the plan did not change."""
-        self.validated_loaded_metadata_reuse = global_md_verify_reuse
-        self.validated_cache_reuse = central_plan == self.cached_central_plan
-        self.cached_central_plan = central_plan
-        self.cached_local_plan = local_plan
-
-    def prepare_save_state_dict_ret(
-        self, rank: int, coordinator: int, save_state_dict_ret: tuple
-    ) -> tuple:
-        """NVRx-compatible: put the cached metadata in the plan result on the coordinator."""
-        writer, global_metadata, *rest = save_state_dict_ret
-        reusable = self.validated_cache_reuse or (
-            self.validated_loaded_metadata_reuse and self.loaded_all_plans
-        )
-        if global_metadata is not None:
-            self.cached_global_metadata = global_metadata
-        elif reusable and rank == coordinator:
-            global_metadata = self.cached_global_metadata
-        return (writer, global_metadata, *rest)
-
-    def get_cache_metadata(self) -> tuple[Any, Any, bool, Any]:
-        return (
-            self.cached_central_plan,
-            self.cached_local_plan,
-            self.validated_cache_reuse,
-            self.loaded_all_plans,
-        )
-
-    def get_metadata_caching_status(self) -> tuple[bool, bool]:
-        return self.validated_cache_reuse, self.validated_loaded_metadata_reuse
 
     def remember(
         self,

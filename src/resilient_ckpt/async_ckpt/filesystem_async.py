@@ -44,7 +44,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
@@ -78,6 +78,7 @@ from ._dcp_write import (
     take_report,
     write_file,
 )
+from ._nvrx import WriteResultsQueue, WriterNames
 from ._staging import DeferredList, resolved
 
 logger = get_logger(__name__)
@@ -87,8 +88,8 @@ __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
 # Extra attribute of the pickled Metadata (dcp.load ignores it): {"algorithm", "files"}.
 FILE_TABLE_ATTR = "resilient_ckpt_files"
 
-# NVRx/Megatron probe for this attribute; our writer's results come back as a report instead.
-_results_queue: Any = None
+# NVRx's module global: Megatron-LM probes for it and shuts its manager down (see ._nvrx).
+_results_queue: WriteResultsQueue | None = None
 
 
 def _wrap_exception_for_gather(exc: BaseException) -> Any:
@@ -99,13 +100,12 @@ def _wrap_exception_for_gather(exc: BaseException) -> Any:
     return wrap_for_gather(exc, _wrap_exception)
 
 
-def get_write_results_queue(mp_mode: str = "spawn") -> Any:
-    """A multiprocessing manager queue, created once (NVRx compatibility; unused here)."""
+def get_write_results_queue(mp_mode: str = "spawn") -> WriteResultsQueue:
+    """NVRx's results queue, created on the first call: an in-process queue that nothing here
+    uses (:class:`._nvrx.WriteResultsQueue`, for Megatron-LM's calls)."""
     global _results_queue
     if _results_queue is None:
-        import multiprocessing as mp
-
-        _results_queue = mp.get_context(mp_mode).Manager().Queue()
+        _results_queue = WriteResultsQueue(mp_mode)
     return _results_queue
 
 
@@ -239,7 +239,7 @@ def _dcp_version() -> str | None:
     return getattr(filesystem, "CURRENT_DCP_VERSION", None)
 
 
-class FileSystemWriterAsync(FileSystemWriter):
+class FileSystemWriterAsync(WriterNames, FileSystemWriter):
     """DCP ``FileSystemWriter`` that writes in the background; the call protocol is in the module
     note.
 
@@ -266,13 +266,6 @@ class FileSystemWriterAsync(FileSystemWriter):
     can_run_decentralized_global_plan: bool = True
     # Pad tensor items to 64-byte boundaries (the tiered manager sets it; see WriteJob).
     align_items: bool = False
-
-    # NVRx's class-level staging caches, kept because NVRx users and tests clear them
-    # between runs. Our staging keeps no per-class state (its shared-memory arenas belong
-    # to each queue's caller), so they stay empty; cleanup_tensor_caches() clears them.
-    _cached_identifiers: ClassVar[set[str]] = set()
-    _cached_tensor_data_ptrs: ClassVar[dict[str, tuple]] = {}
-    _shm_tensor_cache: ClassVar[dict[str, tuple[list, list]]] = {}
 
     def __init__(
         self,
@@ -306,30 +299,17 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.rank: int | None = getattr(self, "rank", None)
         self.use_collectives: bool = getattr(self, "use_collectives", True)
         self.write_buckets: list[WriteBucket] | None = None
-        self.results_queue: Any = None
         self.written_files: dict[str, tuple[int, int]] = {}
         self._job: WriteJob | None = None
         self._expected_files: list[str] | None = None
         self._deferred: DeferredList | None = None  # planned when the request is staged
 
     @property
-    def is_multi_proc_io(self) -> bool:
-        """NVRx's attribute name for ``is_multiproc_io``."""
-        return self.is_multiproc_io
-
-    @property
     def has_data_to_write(self) -> bool:
-        """Whether this rank's prepared save writes any file (NVRx name); always True for a deferred
-        save, which runs its save function.
+        """Whether this rank's prepared save writes any file (NVRx's name); always True for a
+        deferred save, which runs its save function.
         """
         return self._deferred is not None or bool(self._expected_files)
-
-    @classmethod
-    def cleanup_tensor_caches(cls) -> None:
-        """Clear NVRx's class-level staging caches (see the class attributes)."""
-        cls._cached_identifiers.clear()
-        cls._cached_tensor_data_ptrs.clear()
-        cls._shm_tensor_cache.clear()
 
     def _validate_options(self, checkpoint_dir: str) -> None:
         _check_writer_options(self, checkpoint_dir, local=isinstance(self._backend, PosixBackend))
@@ -403,7 +383,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.write_buckets = buckets
         self._job = self._new_job()
         self.written_files = {}
-        self.results_queue = None
 
     def defer_write_data(self, complete: Any) -> None:
         """Prepare a save planned when its request is staged (:mod:`._staging`): the payload is a
@@ -414,7 +393,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.write_buckets = self._deferred
         self._expected_files = None
         self.written_files = {}
-        self.results_queue = None
 
     def _new_job(self) -> WriteJob:
         return WriteJob(
@@ -439,7 +417,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         request is staged the writer holds no training memory. A second call for the same prepared
         save raises ``FrozenRequestError``.
         """
-        if self._job is None or (self._deferred is None and not self._expected_files):
+        if self._job is None or not self.has_data_to_write:
             return None, None, []
         if self.write_buckets is None:
             raise FrozenRequestError(

@@ -116,8 +116,9 @@ __all__ = [
 _checkpoint_metadata_cache: CheckpointMetadataCache | None = None
 
 
-def init_checkpoint_metadata_cache(cached_global_metadata: Metadata) -> None:
-    """Create the process-wide cache (once) and seed it with a loaded checkpoint's metadata."""
+def init_checkpoint_metadata_cache(cached_global_metadata: Metadata | None = None) -> None:
+    """Create the process-wide cache (once) and seed it with a loaded checkpoint's metadata
+    (None, NVRx's default: nothing loaded)."""
     global _checkpoint_metadata_cache
     if _checkpoint_metadata_cache is None:
         _checkpoint_metadata_cache = CheckpointMetadataCache()
