@@ -126,7 +126,6 @@ def test_consecutive_tensors_stage_as_one_range_and_round_trip(threads: int) -> 
             k: [t.clone() for t in v] if k == "params" else v.clone() for k, v in state.items()
         }
         del out
-    assert cache.hits == 2
     # Allocated one after another, the 300 tensors are far fewer ranges than storages.
     assert len(cache._shares) == threads
     segments = sum(len(share) for share in cache._shares)
