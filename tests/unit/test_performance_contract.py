@@ -13,14 +13,19 @@ a cache rewrites one file, keeping each check under the new mechanism's counters
 the paths are is measured in ``benchmarks/``, never asserted.
 
 The changes each check walks through are the behaviour tests' own tables, imported from
-their modules, so the contract and the behaviour cover the same cases."""
+their modules, so the contract and the behaviour cover the same cases. Two checks need ranks
+(marked ``dist``, started by ``resilient_ckpt.testing.launch``): a steady save runs no
+planning collective on any rank while a change on one rank re-plans every rank, and the
+tiered warm-up plans the first save ahead."""
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from resilient_ckpt.async_ckpt import _copy
 from resilient_ckpt.async_ckpt._arena import Arena
@@ -36,6 +41,7 @@ from resilient_ckpt.async_ckpt.warmup import warmup_async_save
 from resilient_ckpt.local import BasicTensorAwareStateDict
 from resilient_ckpt.local._format import plan_shard
 from resilient_ckpt.local._shard_cache import ShardPlanCache
+from resilient_ckpt.testing import launch
 from tests.unit import test_deferred_plan as deferred
 from tests.unit import test_shard_header_refresh as shards
 from tests.unit import test_stage_cache as layouts
@@ -367,3 +373,105 @@ def test_a_training_state_refreshes_until_its_sharing_or_module_attributes_chang
         assert _plan(cache, state) == (step - 1, step - 1, step - 1), f"refresh {step}"
         change()
         assert _plan(cache, state) == (step - 1, step - 1, step), f"change {step}"
+
+
+# -- across ranks ---------------------------------------------------------------------------
+
+
+class _CountingPlanner(DefaultSavePlanner):
+    """Counts the global plans the coordinator makes (a planner the caller hands in)."""
+
+    global_plans = 0
+
+    def create_global_plan(self, all_plans):
+        _CountingPlanner.global_plans += 1
+        return super().create_global_plan(all_plans)
+
+
+def _count_planning_collectives() -> collections.Counter:
+    """Wrap the object collectives torch's planning runs; returns the live counter."""
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    counts: collections.Counter = collections.Counter()
+    for name in ("reduce_scatter", "gather_object", "all_gather_object", "scatter_object"):
+        original = getattr(_DistWrapper, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            counts[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        setattr(_DistWrapper, name, counted)
+    return counts
+
+
+def _plan_per_save(rank: int, world: int, root: str) -> list[tuple[int, int, int, int]]:
+    """Five saves; rank 1 alone adds a tensor before the fourth. Per save: the plan cache's
+    hits and misses, torch's planning collectives and the coordinator's global plans."""
+    from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+    from resilient_ckpt.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+    warnings.filterwarnings("ignore")
+    counts = _count_planning_collectives()
+    cache = CheckpointMetadataCache()
+    state = {f"r{rank}.w{i}": torch.full((4 + i,), float(rank)) for i in range(6)}
+    out = []
+    for i in range(5):
+        if i == 3 and rank == 1:
+            state["r1.added"] = torch.ones(5)
+        before = (*_counts(cache), sum(counts.values()), _CountingPlanner.global_plans)
+        writer = FileSystemWriterAsync(f"{root}/s{i}", thread_count=1)
+        ret = save_state_dict_async_plan(
+            state, writer, planner=_CountingPlanner(), enable_cache=True, metadata_cache=cache
+        )
+        after = (*_counts(cache), sum(counts.values()), _CountingPlanner.global_plans)
+        out.append(tuple(b - a for a, b in zip(before, after, strict=True)))
+        save_fn, _, args = writer.get_save_function_and_args()
+        AsyncRequest(
+            save_fn, args, [lambda ret=ret: save_state_dict_async_finalize(*ret)]
+        ).execute_sync()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_a_steady_save_plans_nothing_on_any_rank_and_a_change_on_one_replans_all(
+    tmp_path,
+) -> None:
+    """A steady save runs no planning collective and no global plan; the first save, and
+    the save after one rank changed its structure, plan on every rank (no rank may reuse a
+    plan the others abandoned) and once on the coordinator."""
+    for rank, per_save in enumerate(launch(_plan_per_save, 2, str(tmp_path))):
+        for i, (hits, misses, collectives, plans) in enumerate(per_save):
+            where = f"rank {rank}, save {i}"
+            if i in (0, 3):
+                assert (hits, misses) == (0, 1) and collectives >= 1, (where, per_save)
+                assert plans == (rank == 0), (where, per_save)
+            else:
+                assert (hits, misses, collectives, plans) == (1, 0, 0, 0), (where, per_save)
+
+
+def _tiered_first_save(rank: int, world: int, root: str) -> tuple[int, int]:
+    """The plan cache's (hits, misses) of the first save after a tiered warm-up."""
+    from tests.tiered._app import App, train
+    from tests.tiered._jobs import manager
+
+    app = App()
+    train(app, 1)
+    mgr = manager(root, durable_every=1)
+    try:
+        mgr.warmup(app.checkpoint())
+        hits, misses = _counts(mgr._cache)
+        mgr.save(app.checkpoint(), 1)
+        mgr.maybe_finalize(blocking=True)
+        return mgr._cache.hits - hits, mgr._cache.misses - misses
+    finally:
+        mgr.close()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_the_tiered_warmup_plans_the_first_save_ahead(tmp_path) -> None:
+    """``TieredCheckpointManager.warmup`` (and so the Lightning tiered callback's): the
+    first save reuses the warm-up's plan on every rank."""
+    for rank, counts in enumerate(launch(_tiered_first_save, 2, str(tmp_path))):
+        assert counts == (1, 0), f"rank {rank}: the first save planned again: {counts}"
