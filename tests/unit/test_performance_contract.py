@@ -13,10 +13,11 @@ a cache rewrites one file, keeping each check under the new mechanism's counters
 the paths are is measured in ``benchmarks/``, never asserted.
 
 The changes each check walks through are the behaviour tests' own tables, imported from
-their modules, so the contract and the behaviour cover the same cases. Two checks need ranks
-(marked ``dist``, started by ``resilient_ckpt.testing.launch``): a steady save runs no
-planning collective on any rank while a change on one rank re-plans every rank, and the
-tiered warm-up plans the first save ahead."""
+their modules, so the contract and the behaviour cover the same cases. Three checks need
+ranks (marked ``dist``, started by ``resilient_ckpt.testing.launch``): a steady save runs no
+planning collective on any rank while a change on one rank re-plans every rank, ShardedTensor
+states with their own planner keep the cache, and the tiered warm-up plans the first save
+ahead."""
 
 from __future__ import annotations
 
@@ -475,3 +476,55 @@ def test_the_tiered_warmup_plans_the_first_save_ahead(tmp_path) -> None:
     first save reuses the warm-up's plan on every rank."""
     for rank, counts in enumerate(launch(_tiered_first_save, 2, str(tmp_path))):
         assert counts == (1, 0), f"rank {rank}: the first save planned again: {counts}"
+
+
+def _sharded_plan_per_save(rank: int, world: int, root: str) -> list[tuple[int, int]]:
+    """The plan cache's (hits, misses) of each save of ``SHARDED_STEPS``."""
+    from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
+    from resilient_ckpt.async_ckpt.state_dict_saver import save_state_dict_async_plan
+    from tests.dist import test_steady_state_dist as sharded
+
+    warnings.filterwarnings("ignore")
+    rows = 2
+    state: dict = {"st": sharded._sharded(rank, world, rows, 1.0), f"r{rank}.w": torch.ones(3)}
+    state["step"] = 0
+    cache = CheckpointMetadataCache()
+    out = []
+    for n, (_what, change, _reused) in enumerate(sharded.SHARDED_STEPS):
+        if change == "reshard":
+            rows += 1
+            state["st"] = sharded._sharded(rank, world, rows, 1.0)
+        elif change == "add" and rank == 0:
+            state["r0.extra"] = torch.full((4,), 4.0)
+        elif change == "step":
+            state["step"] = 42
+        hits, misses = _counts(cache)
+        writer = FileSystemWriterAsync(f"{root}/s{n}", thread_count=1)
+        ret = save_state_dict_async_plan(
+            state,
+            writer,
+            planner=sharded.OwnSetUpPlanner(),
+            enable_cache=True,
+            metadata_cache=cache,
+        )
+        out.append((cache.hits - hits, cache.misses - misses))
+        save_fn, _, args = writer.get_save_function_and_args()
+        AsyncRequest(
+            save_fn, args, [lambda ret=ret: save_state_dict_async_finalize(*ret)]
+        ).execute_sync()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_sharded_tensors_and_an_own_planner_reuse_the_plan_only_while_unchanged(
+    tmp_path,
+) -> None:
+    """ShardedTensors are part of the structure key, and a planner with its own set-up
+    keeps the cache: an unchanged state reuses the plan on every rank; a reshard, or a
+    tensor added on one rank, re-plans on every rank."""
+    from tests.dist.test_steady_state_dist import SHARDED_STEPS
+
+    for rank, per_save in enumerate(launch(_sharded_plan_per_save, 2, str(tmp_path))):
+        for (what, _change, reused), counts in zip(SHARDED_STEPS, per_save, strict=True):
+            assert counts == (reused, not reused), f"rank {rank}, {what}: {counts}"
