@@ -1,5 +1,5 @@
 """The performance contract of the steady-state fast paths: the one test file that names the
-caches' hit, miss and refresh counters.
+caches' hit, miss and refresh counters (and the copy plan's ranges).
 
 Every other test checks behaviour: each checkpoint holds exactly the values of its call, a
 changed structure is saved and loads right, shared-memory segments and memory stay bounded.
@@ -321,6 +321,20 @@ def test_warmup_builds_the_typed_views_the_first_save_reuses(tmp_path, monkeypat
         assert (*_counts(cache), len(kept)) == (3, 0, 1)
     finally:
         ckpt.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_consecutive_tensors_are_copied_as_few_ranges(threads: int) -> None:
+    """Allocated one after another, 300 tensors (~10 MB: above the parallel threshold, so
+    with 3 threads the runs are cut into one share per thread) are copied as far fewer
+    ranges than storages, in the staging cache's copy plan."""
+    state = {"params": [torch.randn(8000 + k) for k in range(300)]}
+    pool, cache = ArenaPool(1), StageCache()
+    pool.release(stage(state, pool, _never, cache=cache, threads=threads).arena.arena_id)
+    assert len(cache._shares) == threads
+    segments = sum(len(share) for share in cache._shares)
+    assert segments < 100, segments
+    pool.close()
 
 
 # -- the local shard layout -----------------------------------------------------------------
