@@ -159,6 +159,39 @@ def test_warmup_async_save_plans_and_stages_ahead_of_the_first_save(tmp_path) ->
         queue.close()
 
 
+def test_the_cached_metadata_reader_reads_a_checkpoint_once_until_it_changes(
+    tmp_path, monkeypatch
+) -> None:
+    """Its metadata is unpickled once per file identity; a rewrite, a cleared cache or
+    ``cache_metadata=False`` reads it again."""
+    import resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader as reader_mod
+    from resilient_ckpt.async_ckpt.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader,
+        clear_metadata_cache,
+    )
+    from tests.unit.test_dcp_writer_unit import _save
+
+    clear_metadata_cache()
+    loads: list = []
+    unpickler = reader_mod._restricted_pickle
+    real_load = unpickler.load
+    monkeypatch.setattr(unpickler, "load", lambda f, **kw: (loads.append(1), real_load(f, **kw))[1])
+    path = tmp_path / "ck"
+    _save({"a": torch.ones(4)}, path)
+    loads.clear()  # count only the reader's loads from here
+    for _ in range(3):
+        CachedMetadataFileSystemReader(str(path)).read_metadata()
+    assert len(loads) == 1
+    _save({"a": torch.full((4,), 5.0), "b": torch.ones(2)}, path)
+    loads.clear()
+    CachedMetadataFileSystemReader(str(path)).read_metadata()
+    assert len(loads) == 1
+    clear_metadata_cache(str(path))
+    CachedMetadataFileSystemReader(str(path)).read_metadata()
+    CachedMetadataFileSystemReader(str(path), cache_metadata=False).read_metadata()
+    assert len(loads) == 3
+
+
 # -- the staging cache ----------------------------------------------------------------------
 
 
