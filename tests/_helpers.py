@@ -104,10 +104,10 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def memfd_mappings() -> int:
-    """How many distinct staging-arena memfds this process maps."""
+def memfd_mappings(pid: int | str = "self") -> int:
+    """How many distinct staging-arena memfds the process ``pid`` (this one by default) maps."""
     names = set()
-    with open("/proc/self/maps") as f:
+    with open(f"/proc/{pid}/maps") as f:
         for line in f:
             for token in line.split():
                 if ARENA_NAME in token:

@@ -128,22 +128,6 @@ class _CommitBeforeCrash(pl.Callback):
             self.local._queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
 
 
-class _PlanProbe(pl.Callback):
-    """Counts the saves that planned afresh between the first batch and the end of fit
-    (zero when the callback's warm-up planned ahead)."""
-
-    def __init__(self, tiered: TieredCheckpointCallback) -> None:
-        self.tiered = tiered
-        self.plans: int | None = None
-        self._before = 0
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._before = self.tiered.manager._cache.misses
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.plans = self.tiered.manager._cache.misses - self._before
-
-
 def _fit_tiered(args: argparse.Namespace) -> None:
     tiered = TieredCheckpointCallback(
         os.path.join(args.workdir, "memory"),
@@ -152,13 +136,12 @@ def _fit_tiered(args: argparse.Namespace) -> None:
         durable_every=args.durable_every,
         replication_jump=1,  # two ranks on one machine stand for two nodes
     )
-    probe = _PlanProbe(tiered)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=DDPStrategy(process_group_backend="gloo"),
         max_steps=args.steps,
-        callbacks=[tiered, probe],
+        callbacks=[tiered],
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
@@ -172,7 +155,6 @@ def _fit_tiered(args: argparse.Namespace) -> None:
         summary = {
             "resumed_from": tiered.resumed_from,
             "global_step": trainer.global_step,
-            "plans_during_fit": probe.plans,
         }
         with open(os.path.join(args.workdir, "summary.json"), "w") as f:
             json.dump(summary, f)

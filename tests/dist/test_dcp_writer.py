@@ -7,7 +7,6 @@ functions assert, and a failed assertion comes back as a ``RankFailure`` with it
 
 from __future__ import annotations
 
-import collections
 import functools
 import os
 import warnings
@@ -23,7 +22,6 @@ from torch.distributed.checkpoint import (
     DefaultSavePlanner,
     FileSystemReader,
 )
-from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.distributed.device_mesh import init_device_mesh
 
 from resilient_ckpt._torch_compat import DTensor, Shard
@@ -100,29 +98,6 @@ class FailingWriter(FileSystemWriterAsync):
         return super().write_preloaded_data(job, write_bucket)
 
 
-class CountingPlanner(DefaultSavePlanner):
-    global_plans = 0
-
-    def create_global_plan(self, all_plans):
-        CountingPlanner.global_plans += 1
-        return super().create_global_plan(all_plans)
-
-
-def _count_planning_collectives() -> collections.Counter:
-    """Wrap the object collectives torch's planning uses; returns the live counter."""
-    counts: collections.Counter = collections.Counter()
-    names = ("reduce_scatter", "gather_object", "all_gather_object", "scatter_object")
-    for name in names + ("broadcast_object",):
-        original = getattr(_DistWrapper, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            counts[_name] += 1
-            return _original(self, *args, **kwargs)
-
-        setattr(_DistWrapper, name, counted)
-    return counts
-
-
 def _check_commit_fails_everywhere(queue: AsyncCallsQueue, state, path: str) -> None:
     queue.schedule_async_request(_plan_and_request(state, FailingWriter(path, thread_count=2)))
     with pytest.raises(CheckpointException) as info:
@@ -136,36 +111,25 @@ def _check_commit_fails_everywhere(queue: AsyncCallsQueue, state, path: str) -> 
     assert all(name.endswith(".distcp") for name in names), names
 
 
-def _check_cache(rank: int, world: int, state, root: str) -> dict[str, int]:
-    counts = _count_planning_collectives()
+def _check_cache(rank: int, world: int, state, root: str) -> None:
+    """Five saves through the plan cache, a tensor added at the fourth: each loads back
+    exactly on every rank. (That the steady ones plan nothing is the performance contract,
+    ``tests/unit/test_performance_contract.py``.)"""
     cache = CheckpointMetadataCache()
-    per_save = []
     for i in range(5):
         if i == 3:
             state = dict(state, added=torch.full((5,), float(world)))
-        before, plans_before = sum(counts.values()), CountingPlanner.global_plans
         path = os.path.join(root, f"cached{i}")
         request = _plan_and_request(
             state,
             FileSystemWriterAsync(path, thread_count=2),
-            planner=CountingPlanner(),
             enable_cache=True,
             metadata_cache=cache,
-        )
-        per_save.append(
-            (sum(counts.values()) - before, CountingPlanner.global_plans - plans_before)
         )
         request.execute_sync()
         loaded = _empty_like(state)
         dcp.load(loaded, checkpoint_id=path)
         _assert_equal(state, loaded)
-    coordinator_plans = 1 if rank == 0 else 0
-    for i in (0, 3):
-        assert per_save[i][0] >= 1 and per_save[i][1] == coordinator_plans, per_save
-    for i in (1, 2, 4):
-        assert per_save[i] == (0, 0), per_save
-    assert (cache.misses, cache.hits) == (2, 3)
-    return {"misses": cache.misses, "hits": cache.hits}
 
 
 # -- 4 ranks --------------------------------------------------------------------------------
@@ -190,8 +154,8 @@ def _four_rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
     fork_queue = AsyncCallsQueue(persistent=False)
     _check_commit_fails_everywhere(fork_queue, state, os.path.join(root, "failed4"))
     fork_queue.close()
-    cache = _check_cache(rank, world, state, root)
-    return {"files": sorted(files), **cache}
+    _check_cache(rank, world, state, root)
+    return {"files": sorted(files)}
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +167,6 @@ def four_rank_run(tmp_path_factory) -> tuple[str, list[dict[str, Any]]]:
 def test_four_ranks_format_commit_and_cache(four_rank_run) -> None:
     _, results = four_rank_run
     assert results[0]["files"] == [f"__{r}_0.distcp" for r in range(4)]
-    assert all(r["hits"] == 3 for r in results)
 
 
 # -- 2 ranks: the reference's example flow, verbatim modulo import prefix and path ----------
@@ -257,7 +220,7 @@ def _example_flow(rank: int, world: int, path: str, persistent: bool) -> AsyncCa
     return queue
 
 
-def _two_rank_checks(rank: int, world: int, root: str, four_rank_ckpt: str) -> dict[str, Any]:
+def _two_rank_checks(rank: int, world: int, root: str, four_rank_ckpt: str) -> None:
     queue = _example_flow(rank, world, os.path.join(root, "persistent"), persistent=True)
     _example_flow(rank, world, os.path.join(root, "forked"), persistent=False).close()
 
@@ -278,10 +241,9 @@ def _two_rank_checks(rank: int, world: int, root: str, four_rank_ckpt: str) -> d
     loaded = {"only": torch.zeros(7)}
     dcp.load(loaded, checkpoint_id=path)
     assert torch.equal(loaded["only"], replicated["only"])
-    return _check_cache(rank, world, _model_state(rank, world), root)
+    _check_cache(rank, world, _model_state(rank, world), root)
 
 
 def test_two_ranks_example_flow_reshard_commit_and_cache(tmp_path, four_rank_run) -> None:
     four = os.path.join(four_rank_run[0], "sharded4")
-    results = launch(_two_rank_checks, 2, str(tmp_path), four, timeout=200)
-    assert all(r["hits"] == 3 for r in results)
+    launch(_two_rank_checks, 2, str(tmp_path), four, timeout=200)

@@ -63,8 +63,6 @@ def test_killed_ddp_trainer_resumes_from_the_memory_tier(tmp_path) -> None:
     # Rank 0's files came from rank 1's copies: the memory tier served the restore.
     assert source["tier"] == "memory" and 0 < source["step"] <= CRASH_AT, summary
     assert summary["global_step"] == STEPS
-    # The callback's warm-up planned the saves ahead: no save of the fit planned again.
-    assert summary["plans_during_fit"] == 0, summary
 
     final = torch.load(os.path.join(work, "final.pt"))
     reference = _uninterrupted_weights()

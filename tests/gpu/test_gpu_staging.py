@@ -41,9 +41,9 @@ def test_async_save_of_cuda_state_is_a_snapshot(tmp_path, persistent) -> None:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_steady_saves_of_cuda_state_each_hold_the_values_of_their_call(tmp_path, overlap) -> None:
-    """The staging cache with device copies: saves of an unchanged layout reuse it (typed
-    views of the arena, each tensor copied as itself or as its storage's raw bytes), a new
-    layout misses once, and every checkpoint holds exactly its call's values."""
+    """Device copies (typed views of the arena, each tensor copied as itself or as its
+    storage's raw bytes), saved with an unchanged layout and after a new one: every
+    checkpoint holds exactly its call's values."""
     base = torch.arange(64.0, device="cuda")
     state = {
         "w": torch.randn(256, 33, device="cuda"),
@@ -77,8 +77,6 @@ def test_steady_saves_of_cuda_state_each_hold_the_values_of_their_call(tmp_path,
                 else:
                     assert loaded[key] == value
             assert torch.equal(loaded["view"], loaded["base"][8:24])
-        cache = ckpt.queue.persistent_caller.stage_cache
-        assert (cache.hits, cache.misses) == (3, 2)
     finally:
         ckpt.close()
 

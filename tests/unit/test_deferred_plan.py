@@ -77,7 +77,6 @@ def test_the_first_save_plans_in_the_call_later_ones_at_staging(tmp_path) -> Non
                 assert buckets.resolved and "w.p0" in ret[1].state_dict_metadata
             queue.maybe_finalize_async_calls(blocking=True)
             assert _same(_loaded(tmp_path / f"c{k}", state), state), k
-        assert (cache.misses, cache.hits) == (1, 2)
     finally:
         queue.close()
 
@@ -95,7 +94,6 @@ def test_preload_fn_plans_a_deferred_save_run_without_a_queue(tmp_path) -> None:
         )
         request._replace(preload_fn=preload_fn).execute_sync()
         assert _same(_loaded(tmp_path / f"c{k}", state), state), k
-    assert cache.misses == 2
 
 
 def test_an_unplanned_payload_refuses_to_be_written(tmp_path) -> None:

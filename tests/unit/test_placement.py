@@ -95,7 +95,9 @@ def test_far_apart_and_tiny_storages_are_not_bridged() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_consecutive_tensors_stage_as_one_range_and_round_trip(threads: int) -> None:
+def test_consecutive_tensors_round_trip_staged_in_full_and_again(threads: int) -> None:
+    """(That they are copied as far fewer ranges than storages is in
+    ``test_performance_contract.py``.)"""
     # ~10 MB: above PARALLEL_MIN_BYTES, so with 3 threads the runs are cut into shares.
     tensors = [torch.randn(8000 + k) for k in range(300)]
     base = torch.arange(64, dtype=torch.float64)
@@ -126,9 +128,4 @@ def test_consecutive_tensors_stage_as_one_range_and_round_trip(threads: int) -> 
             k: [t.clone() for t in v] if k == "params" else v.clone() for k, v in state.items()
         }
         del out
-    assert cache.hits == 2
-    # Allocated one after another, the 300 tensors are far fewer ranges than storages.
-    assert len(cache._shares) == threads
-    segments = sum(len(share) for share in cache._shares)
-    assert segments < 100, segments
     pool.close()

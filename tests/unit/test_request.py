@@ -100,9 +100,9 @@ def test_debug_time_context_and_decorator(caplog) -> None:
 
         assert work() == 3
     messages = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("block took ") and m.endswith("s") for m in messages)
-    assert any(m.startswith("func took ") for m in messages)
-    assert timer.elapsed is not None and timer.elapsed >= 0
+    assert timer.elapsed is not None  # the measurement it logged stays readable
+    assert f"block took {timer.elapsed:.6f}s" in messages
+    assert any(m.startswith("func took ") and m.endswith("s") for m in messages)
 
 
 def test_preload_tensors_copies_never_aliases() -> None:

@@ -1,6 +1,7 @@
 """A local save whose plain values changed (the iteration, the learning rate) but not its
-structure reuses the shard layout and makes only the header again; that header is byte for
-byte the one a full planning writes (resilient_ckpt.local._shard_cache)."""
+structure gets, from the shard layout cache (resilient_ckpt.local._shard_cache), a header
+byte for byte the one a full planning writes, and a changed structure the full planning's
+layout. (That the first only refreshes the header is in ``test_performance_contract.py``.)"""
 
 from __future__ import annotations
 
@@ -61,12 +62,10 @@ def test_refreshed_header_is_the_full_planning_header() -> None:
         lambda: state.update(step=10**40),  # a longer pickle: the data moves
         lambda: state["optim"].update(kind="sgd"),
     ]
-    for n, change in enumerate(changes, start=1):
+    for change in changes:
         change()
         _check(cache, state)
-        assert (cache.hits, cache.refreshes, cache.misses) == (n, n, 1)
-    _check(cache, state)  # same values again: the plain hit
-    assert (cache.hits, cache.refreshes, cache.misses) == (len(changes) + 1, len(changes), 1)
+    _check(cache, state)  # same values again
 
 
 def test_a_changed_structure_is_still_planned_in_full() -> None:
@@ -77,7 +76,6 @@ def test_a_changed_structure_is_still_planned_in_full() -> None:
     _check(cache, state)
     state["model"]["layer3.w"] = torch.rand(5)
     _check(cache, state)
-    assert (cache.hits, cache.refreshes, cache.misses) == (0, 0, 3)
 
 
 def test_a_model_and_optimizer_state_dict_is_refreshed_too() -> None:
@@ -92,13 +90,11 @@ def test_a_model_and_optimizer_state_dict_is_refreshed_too() -> None:
         for group in optim.param_groups:
             group["lr"] *= 0.5  # a schedule: a plain value changing every save
         state = {"model": model.state_dict(), "optim": optim.state_dict(), "it": iteration}
-        _check(cache, state)
-    # The first save planned in full, the others refreshed (state_dict() makes new objects
-    # every time: new OrderedDicts, new detached tensors over the same storages).
-    assert (cache.hits, cache.refreshes, cache.misses) == (3, 3, 1)
+        _check(cache, state)  # state_dict() makes new objects (dicts, tensors) every time
     state["model"]._metadata[""]["version"] = 2  # type: ignore[attr-defined]
-    _check(cache, state)
-    assert cache.misses == 2  # the module attributes are part of the structure
+    _check(cache, state)  # the module attributes are part of the structure
+    loaded = deserialize(serialize(cache.plan(BasicTensorAwareStateDict(state), plan_shard)))
+    assert loaded.state_dict["model"]._metadata == state["model"]._metadata  # type: ignore[attr-defined]
 
 
 class _Holder:
@@ -138,7 +134,6 @@ def test_parts_holding_only_tensors_travel_pickled_once_and_load_as_they_were() 
     with mock.patch.object(_pickled, "PickledValue", side_effect=AssertionError("re-made")):
         got = cache.plan(BasicTensorAwareStateDict(state), plan_shard)
     assert got.header == plan_shard(BasicTensorAwareStateDict(state)).header
-    assert (cache.hits, cache.refreshes) == (1, 1)
 
 
 def test_sharing_and_spliced_parts_follow_the_state_of_each_save() -> None:
@@ -160,7 +155,6 @@ def test_sharing_and_spliced_parts_follow_the_state_of_each_save() -> None:
         _check(cache, state)  # refreshed
         change()
         _check(cache, state)  # planned in full
-    assert (cache.hits, cache.refreshes, cache.misses) == (3, 3, 4)
 
 
 def test_a_part_holding_a_container_met_elsewhere_is_not_spliced() -> None:
@@ -216,4 +210,3 @@ def test_random_states_refresh_to_the_full_planning_header() -> None:
         assert diff(state, loaded) == ([], [], [])
         assert _plain_leaves(loaded) == _plain_leaves(state)
         assert loaded["again"] is loaded["config"]
-        assert cache.refreshes >= 2

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from resilient_ckpt.async_ckpt import _copy
+from resilient_ckpt.async_ckpt._arena import open_arena_fds
 from resilient_ckpt.async_ckpt._protocol import Channel, Hello, ProtocolError, Result
 from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 from resilient_ckpt.errors import InvalidRequestError
@@ -52,15 +53,18 @@ def test_stage_snapshots_and_preserves_views_and_sharing(copy, monkeypatch) -> N
     pool.close()
 
 
-def test_pool_reuses_arena_for_same_structure() -> None:
+def test_saves_of_one_structure_share_one_shared_memory_segment() -> None:
+    before = open_arena_fds()
     pool = ArenaPool(2)
     state = {"w": torch.randn(1000)}
-    for _ in range(20):
+    for i in range(20):
+        state["w"].fill_(i)
         staged = stage(state, pool, _never)
-        assert staged.arena is not None
+        assert torch.equal(unstage(staged.payload, staged.arena, staged.slots)["w"], state["w"])
         pool.release(staged.arena.arena_id)
-    assert pool.created == 1
+        assert open_arena_fds() == before + 1, f"save {i}: a new memfd"
     pool.close()
+    assert open_arena_fds() == before
 
 
 def test_pool_bounded_when_all_busy() -> None:

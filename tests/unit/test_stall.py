@@ -22,6 +22,7 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 from resilient_ckpt.async_ckpt.warmup import warmup_async_save
 from resilient_ckpt.errors import ConfigurationError
+from resilient_ckpt.testing.faults import worker_pids
 from tests._helpers import memfd_mappings
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -134,32 +135,33 @@ def test_overlapped_snapshot_holds_values_of_the_call(tmp_path) -> None:
 
 @pytest.mark.timeout(120)
 def test_warmup_presizes_the_arena_and_memory_stays_bounded(tmp_path) -> None:
-    """After warmup(state) the saves create no arena; 50 saves of one structure keep one
-    memfd; a state that outgrows the arena replaces it (the worker unmaps the old one)."""
+    """After warmup(state) the saves open no new shared-memory segment: 50 saves of one
+    structure keep one memfd, in the trainer and in the worker; a state that outgrows the
+    arena replaces it, and the worker unmaps the old one."""
     gc.collect()  # queues of earlier tests still awaiting collection must not move the counts
     before, maps_before = open_arena_fds(), memfd_mappings()
     ckpt = TorchAsyncCheckpoint()
     try:
         state = _state(n_small=20, big=1 << 16)
         ckpt.warmup(state)
-        caller = ckpt.queue.persistent_caller
-        assert caller is not None and caller.staging_arenas_created == 1
+        (worker,) = worker_pids(ckpt.queue)
         assert open_arena_fds() == before + 1
         for i in range(50):
             state["small0"].fill_(i)
             ckpt.async_save(state, str(tmp_path / "steady.pt"))
             ckpt.finalize_async_save(blocking=True)
-        assert caller.staging_arenas_created == 1
-        assert open_arena_fds() == before + 1
+            assert open_arena_fds() == before + 1, f"save {i}: a new memfd"
+            assert memfd_mappings(worker) == 1, f"save {i}: the worker maps another arena"
         assert memfd_mappings() == maps_before + 1
+        assert memfd_mappings(worker) == 1
         assert torch.load(tmp_path / "steady.pt")["small0"][0].item() == 49
         state["big"] = torch.randn(1 << 20)  # outgrows the arena
         for _ in range(3):
             ckpt.async_save(state, str(tmp_path / "grown.pt"))
             ckpt.finalize_async_save(blocking=True)
-        assert caller.staging_arenas_created == 2 and caller._pool.replaced == 1
-        assert open_arena_fds() == before + 1
-        assert caller._attached == caller._pool.live_ids()
+        assert open_arena_fds() == before + 1  # the outgrown one was closed
+        assert memfd_mappings() == maps_before + 1
+        assert memfd_mappings(worker) == 1  # ... and unmapped by the worker
         _same(state, torch.load(tmp_path / "grown.pt"))
     finally:
         ckpt.close()
@@ -178,7 +180,8 @@ def _dcp_save(queue: AsyncCallsQueue, state: dict, path, cache, overlap: bool) -
 
 @pytest.mark.timeout(180)
 def test_async_dcp_flow_restages_on_structure_change(tmp_path) -> None:
-    """The per-plan cached write items are reused while the plan is, replaced with it."""
+    """Each change of structure (a key added, a shape, a dtype) and the saves after it hold
+    exactly the values of their call, staged in the call or overlapped."""
     warnings.filterwarnings("ignore")
     cache = CheckpointMetadataCache()
     queue = AsyncCallsQueue()
@@ -209,26 +212,23 @@ def test_async_dcp_flow_restages_on_structure_change(tmp_path) -> None:
             }
             dcp.load(target, checkpoint_id=str(tmp_path / f"d{n}"))
             _same(expected, target)
-        assert (cache.hits, cache.misses) == (3, 4)
     finally:
         queue.close()
 
 
 @pytest.mark.timeout(120)
-def test_warmup_async_save_plans_ahead_so_the_first_save_reuses_everything(tmp_path) -> None:
+def test_warmup_async_save_sizes_the_arena_and_the_first_save_holds_its_values(tmp_path) -> None:
     warnings.filterwarnings("ignore")
     cache = CheckpointMetadataCache()
     queue = AsyncCallsQueue()
     state = {k: v for k, v in _state(n_small=10).items() if k != "view"}
     try:
+        before = open_arena_fds()
         warmup_async_save(state, queue, metadata_cache=cache, thread_count=2)
-        caller = queue.persistent_caller
-        assert caller is not None and caller.staging_arenas_created == 1
-        assert (cache.hits, cache.misses) == (0, 1)
+        assert open_arena_fds() == before + 1  # the warm-up sized the arena
         _dcp_save(queue, state, tmp_path / "first", cache, overlap=False)
         queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-        assert (cache.hits, cache.misses) == (1, 1)
-        assert caller.staging_arenas_created == 1
+        assert open_arena_fds() == before + 1  # the first save fits in it
         target = {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in state.items()}
         dcp.load(target, checkpoint_id=str(tmp_path / "first"))
         _same(state, target)

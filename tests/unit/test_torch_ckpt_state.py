@@ -43,12 +43,11 @@ def _records(path) -> dict[str, bytes]:
 
 
 @pytest.mark.timeout(120)
-def test_torch_flow_writes_torch_saves_bytes_and_reuses_the_layout(tmp_path) -> None:
+def test_torch_flow_writes_torch_saves_bytes_after_a_warmup_and_each_change(tmp_path) -> None:
     model, state = _training_state(1)
     ckpt = TorchAsyncCheckpoint()
     try:
         ckpt.warmup(state)
-        cache = ckpt.queue.persistent_caller.stage_cache
         for step in range(1, 4):
             with torch.no_grad():
                 for p in model.parameters():
@@ -57,7 +56,6 @@ def test_torch_flow_writes_torch_saves_bytes_and_reuses_the_layout(tmp_path) -> 
             (tmp_path / "ref").mkdir(exist_ok=True)
             (tmp_path / "ours").mkdir(exist_ok=True)
             torch.save(state, tmp_path / "ref" / f"{step}.pt")
-            hits = cache.hits
             overlap = step == 2  # staged on the background thread once
             ckpt.async_save(state, str(tmp_path / "ours" / f"{step}.pt"), overlap_staging=overlap)
             ckpt.wait_for_snapshot()
@@ -68,7 +66,6 @@ def test_torch_flow_writes_torch_saves_bytes_and_reuses_the_layout(tmp_path) -> 
             with torch.no_grad():
                 for p in model.parameters():
                     p.sub_(100.0)
-            assert cache.hits == hits + 1  # steady: the warm-up's layout
             ours = _records(tmp_path / "ours" / f"{step}.pt")
             assert ours == _records(tmp_path / "ref" / f"{step}.pt")
         loaded = torch.load(tmp_path / "ours" / "3.pt", weights_only=False)
@@ -83,11 +80,9 @@ def test_torch_flow_writes_torch_saves_bytes_and_reuses_the_layout(tmp_path) -> 
             lambda s: s["model"].__setitem__("extra", torch.arange(5.0)),
         ):
             change(state)
-            hits = cache.hits
             path = tmp_path / f"changed{len(state['model'])}.pt"
             ckpt.async_save(state, str(path))
             ckpt.finalize_async_save(blocking=True)
-            assert cache.hits == hits  # staged fully
             got = torch.load(path, weights_only=False)["model"]
             assert list(got) == list(state["model"])
             for key, value in state["model"].items():
