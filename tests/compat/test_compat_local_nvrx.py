@@ -189,7 +189,7 @@ def test_nvrx_checkpoints_resume_on_two_ranks(tmp_path):
 
 
 def test_convert_reads_an_nvrx_shard(tmp_path):
-    from resilient_ckpt.cli import checkpoints as _catalog
+    from resilient_ckpt.cli import converting as _catalog
 
     src = _rank_dir(tmp_path) / "iter_0000005_0_local.pt"
     tensors = {"w": torch.randn(4, 3), "step": 5}

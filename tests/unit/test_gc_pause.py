@@ -45,7 +45,7 @@ def test_dcp_finalize_gathers_and_commits_with_the_collector_paused(
     tmp_path, monkeypatch, collector_on
 ) -> None:
     seen: list[tuple[str, bool]] = []
-    for name in ("retrieve_write_results", "finish"):
+    for name in ("retrieve_write_rows", "finish"):
         real = getattr(FileSystemWriterAsync, name)
 
         def spy(self, *args, _real=real, _name=name, **kwargs):
@@ -60,7 +60,7 @@ def test_dcp_finalize_gathers_and_commits_with_the_collector_paused(
         queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
     finally:
         queue.close()
-    assert seen == [("retrieve_write_results", False), ("finish", False)]
+    assert seen == [("retrieve_write_rows", False), ("finish", False)]
     assert gc.isenabled()
     loaded = {k: torch.zeros(4) for k in state}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
