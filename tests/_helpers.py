@@ -245,3 +245,21 @@ class RunsCode:
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (os.mkdir, (self.marker,))
+
+
+def fsdp2_model(world: int, outputs: int = 8) -> torch.nn.Module:
+    """A small FSDP2 model over a CPU mesh of ``world`` ranks (the same initial weights on
+    every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, outputs)
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from resilient_ckpt.cli import main as cli_main
 from resilient_ckpt.testing.launcher import launch
+from tests import _helpers
 from tests._helpers import flip_byte, rss_bytes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -26,18 +27,7 @@ PROCESS, THREAD = AsyncCheckpointerType.PROCESS, AsyncCheckpointerType.THREAD
 
 
 def _model(world: int) -> torch.nn.Module:
-    """A small FSDP2 model (the same initial weights on every rank)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return _helpers.fsdp2_model(world)
 
 
 def _state(model: torch.nn.Module, rank: int, step: int) -> dict[str, Any]:

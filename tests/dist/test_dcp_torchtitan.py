@@ -17,6 +17,8 @@ from resilient_ckpt.testing.launcher import launch
 
 pytest.importorskip("torchtitan.components.checkpointer.dcp")
 
+from tests import _helpers
+
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 
@@ -49,16 +51,7 @@ class _Counter:
 
 
 def _trainer(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _helpers.fsdp2_model(world, outputs=4)
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -452,6 +453,13 @@ def _count_planning_collectives() -> collections.Counter:
     return counts
 
 
+def _write_and_commit(writer: Any, planned: tuple) -> None:
+    """Write a planned save and commit it, in this process."""
+    save_fn, _, args = writer.get_save_function_and_args()
+    commit = [lambda: save_state_dict_async_finalize(*planned)]
+    AsyncRequest(save_fn, args, commit).execute_sync()
+
+
 def _plan_per_save(rank: int, world: int, root: str) -> list[tuple[int, int, int, int]]:
     """Five saves; rank 1 alone adds a tensor before the fourth. Per save: the plan cache's
     hits and misses, torch's planning collectives and the coordinator's global plans."""
@@ -473,10 +481,7 @@ def _plan_per_save(rank: int, world: int, root: str) -> list[tuple[int, int, int
         )
         after = (*_counts(cache), sum(counts.values()), _CountingPlanner.global_plans)
         out.append(tuple(b - a for a, b in zip(before, after, strict=True)))
-        save_fn, _, args = writer.get_save_function_and_args()
-        AsyncRequest(
-            save_fn, args, [lambda ret=ret: save_state_dict_async_finalize(*ret)]
-        ).execute_sync()
+        _write_and_commit(writer, ret)
     return out
 
 
@@ -555,10 +560,7 @@ def _sharded_plan_per_save(rank: int, world: int, root: str) -> list[tuple[int, 
             metadata_cache=cache,
         )
         out.append((cache.hits - hits, cache.misses - misses))
-        save_fn, _, args = writer.get_save_function_and_args()
-        AsyncRequest(
-            save_fn, args, [lambda ret=ret: save_state_dict_async_finalize(*ret)]
-        ).execute_sync()
+        _write_and_commit(writer, ret)
     return out
 
 

@@ -15,11 +15,13 @@ Call protocol (every rank; "trainer" is the training process):
    ``AsyncRequest(save_fn, args, [finalize], preload_fn=preload_fn)``; ``args[1]`` is the
    bucket list, which ``preload_fn`` replaces by its host copy. ``save_fn`` runs in the
    background process (:mod:`._dcp_write`), writes the ``__<rank>_<k>.distcp`` files and
-   sends their report (sizes, CRC32s, ``WriteResult`` lists, or the failure) back over the
-   worker's channel (:mod:`._reports`); nothing else is written into the checkpoint.
+   sends their report (sizes, CRC32s, each file's write results encoded as rows, or the
+   failure) back over the worker's channel (:mod:`._reports`); nothing else is written into
+   the checkpoint.
 5. ``retrieve_write_results()`` (trainer, finalize): this rank's ``WriteResult`` list from
-   that report; raises :class:`~resilient_ckpt.errors.CheckpointWriteError` when the write
-   failed, did not write every planned file, or did not report.
+   that report (the finalize takes ``retrieve_write_rows()``, the rows undecoded); raises
+   :class:`~resilient_ckpt.errors.CheckpointWriteError` when the write failed, did not
+   write every planned file, or did not report.
 6. ``finish(metadata, results)`` (coordinator, finalize, after all ranks succeeded): writes
    ``.metadata`` last and atomically (:class:`~resilient_ckpt.storage.commit.RecordCommit`),
    with a table of every data file's size and CRC32 (:data:`FILE_TABLE_ATTR`) that

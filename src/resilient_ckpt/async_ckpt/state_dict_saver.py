@@ -43,7 +43,7 @@ import pickle
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -65,10 +65,10 @@ from ._planning import (
     Planning,
     PlanRecord,
     accepts,
-    agreement_group,
     cached_plan,
     check_state_dict,
     check_writer,
+    every_rank_ok,
     is_decentralized,
     structure_key,
     verify_global_md_reuse,
@@ -303,12 +303,7 @@ def _prepare_agreed(
         central_plan = prepare(central_plan)
     except Exception as exc:
         error = exc
-    _dist.agree(
-        "DCP save planning (preparing the write)",
-        error,
-        group=agreement_group(dist_wrapper),
-        local_only=not dist_wrapper.use_dist or dist_wrapper.get_world_size() == 1,
-    )
+    every_rank_ok(error is None, error, dist_wrapper, "DCP save planning (preparing the write)")
     return central_plan
 
 
@@ -483,18 +478,18 @@ def _share_created_metadata(writer: Any, dist_wrapper: _DistWrapper, path: str) 
 
 @dataclass
 class _RankOutcome:
-    """What each rank contributes to the commit: its write results (one encoded ``bytes``
-    per data file from our writers, decoded by the coordinator only; objects from others)
-    and its file checksums."""
+    """What each rank contributes to the commit: its file checksums and its write results,
+    from our writers as ``rows`` (one encoded ``bytes`` per data file, decoded by the
+    coordinator only), from others as ``WriteResult`` objects."""
 
-    write_results: list[WriteResult] | list[bytes]
     file_checksums: dict[str, tuple[int, int]]
+    write_results: list[WriteResult] = field(default_factory=list)
+    rows: list[bytes] | None = None
 
     def decoded(self) -> list[WriteResult]:
-        results: list[Any] = self.write_results
-        if results and isinstance(results[0], bytes):
-            return [result for rows in results for result in decode_results(rows)]
-        return results
+        if self.rows is None:
+            return self.write_results
+        return [result for encoded in self.rows for result in decode_results(encoded)]
 
 
 def save_state_dict_async_finalize(
@@ -532,13 +527,16 @@ def save_state_dict_async_finalize(
         if is_wrapped_failure(results):
             return results
         checksums = dict(getattr(storage_writer, "written_files", {}) or {})
-        outcome = _RankOutcome(results, checksums)
+        if compact is not None:
+            outcome = _RankOutcome(checksums, rows=results)
+        else:
+            outcome = _RankOutcome(checksums, write_results=results)
         if reuse_metadata_obj is None:
             return outcome
         mismatch = find_layout_mismatch(outcome.decoded(), reuse_metadata_obj)
         if mismatch is not None:
             return _wrap_exception_for_gather(_stale_error(dist_wrapper.get_rank(), mismatch))
-        return _RankOutcome([], checksums)  # the prepared metadata already locates them
+        return _RankOutcome(checksums)  # the prepared metadata already locates them
 
     def commit(outcomes: list[_RankOutcome]) -> None:
         if reuse_metadata_obj is None:

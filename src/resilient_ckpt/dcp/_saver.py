@@ -44,7 +44,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
@@ -357,9 +357,7 @@ def save(
         no_dist=no_dist,
         use_collectives=use_collectives,
     )
-    if not isinstance(future, Future):
-        raise ConfigurationError("resilient_ckpt.dcp.save staged in the background")  # unreachable
-    return future.result()  # type: ignore[no-any-return]
+    return cast(Future, future).result()  # without a stager, async_save returns a Future
 
 
 def close(abort: bool = False) -> None:
