@@ -1,20 +1,23 @@
 """Deferred DCP planning in one process (``defer_planning=True``): what the call hands out
-before the planning ran, and every way the payload gets planned or refuses to be used
-unplanned. The multi-rank behaviour is in ``tests/dist/test_deferred_plan_dist.py``."""
+before the planning ran (the planning as the ``preload_fn``, the metadata as a future), and
+every way the planning runs or refuses to be used unplanned. The multi-rank behaviour is in
+``tests/dist/test_deferred_plan_dist.py``."""
 
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import Future
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from resilient_ckpt.async_ckpt._staging import DeferredList
+from resilient_ckpt.async_ckpt._staging import PlanStep
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
 from resilient_ckpt.async_ckpt.state_dict_saver import (
     CheckpointMetadataCache,
+    planned_metadata,
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
@@ -62,19 +65,18 @@ def test_the_first_save_plans_in_the_call_later_ones_at_staging(tmp_path) -> Non
         for k in range(3):
             state = _state(k + 1.0)
             writer, ret = _plan(state, tmp_path / f"c{k}", cache)
-            buckets = writer.write_buckets
-            assert isinstance(buckets, DeferredList) == (k > 0), k
-            if k > 0:
-                # Nothing planned yet: the coordinator's metadata is an empty placeholder.
-                assert not buckets.resolved and ret[1] is not None
-                assert ret[1].state_dict_metadata == {}
             save_fn, preload_fn, args = writer.get_save_function_and_args()
+            assert isinstance(preload_fn, PlanStep) == (k > 0), k
+            assert isinstance(ret[1], Future) == (k > 0), k
+            if k > 0:
+                # Nothing planned yet: no items, the metadata a future not yet set.
+                assert args[1] is None and preload_fn.items is None and not ret[1].done()
             finalize = [lambda ret=ret: save_state_dict_async_finalize(*ret)]
             queue.schedule_async_request(
                 AsyncRequest(save_fn, args, finalize, preload_fn=preload_fn)
             )
             if k > 0:
-                assert buckets.resolved and "w.p0" in ret[1].state_dict_metadata
+                assert preload_fn.items and "w.p0" in ret[1].result().state_dict_metadata
             queue.maybe_finalize_async_calls(blocking=True)
             assert _same(_loaded(tmp_path / f"c{k}", state), state), k
     finally:
@@ -103,40 +105,63 @@ def test_an_unplanned_payload_refuses_to_be_written(tmp_path) -> None:
     save_fn(args[0], preload_fn())
     save_state_dict_async_finalize(*ret)
 
-    writer, _ = _plan(_state(), tmp_path / "c1", cache)
+    writer, ret = _plan(_state(), tmp_path / "c1", cache)
     with pytest.raises(CheckpointWriteError, match="deferred planning of this save did not run"):
         writer.retrieve_write_results()
-    _, _, args = writer.get_save_function_and_args()
+    with pytest.raises(InvalidRequestError, match="deferred planning of this save did not run"):
+        planned_metadata(ret[1])
+    _, preload_fn, _ = writer.get_save_function_and_args()
     with pytest.raises(InvalidRequestError, match="defer_planning=True"):
-        pickle.dumps(args)
+        pickle.dumps(preload_fn)
 
 
-def test_a_failed_deferred_planning_is_not_run_again() -> None:
+def test_a_failed_deferred_planning_fails_its_metadata_and_is_not_run_again(tmp_path) -> None:
+    cache = CheckpointMetadataCache()
+    queue = AsyncCallsQueue()
+    try:
+        for k, bad in enumerate((False, True)):
+            state = _state()
+            if bad:
+                state[7] = torch.ones(2)  # a key DCP cannot load back: the planning refuses
+            writer, ret = _plan(state, tmp_path / f"c{k}", cache)
+            save_fn, preload_fn, args = writer.get_save_function_and_args()
+            request = AsyncRequest(
+                save_fn, args, [lambda ret=ret: save_state_dict_async_finalize(*ret)]
+            )
+            if not bad:
+                queue.schedule_async_request(request._replace(preload_fn=preload_fn))
+                queue.maybe_finalize_async_calls(blocking=True)
+                continue
+            with pytest.raises(ConfigurationError, match="string keys"):
+                queue.schedule_async_request(request._replace(preload_fn=preload_fn))
+            assert isinstance(ret[1].exception(), ConfigurationError)
+            with pytest.raises(InvalidRequestError, match="failed before: .*string keys"):
+                preload_fn()
+    finally:
+        queue.close(abort=True)  # the failed call, reported by a finalize, is dropped
+
+
+def test_a_planning_run_once_is_staged_as_plain_data() -> None:
     calls = []
 
-    def complete() -> None:
+    def plan() -> list:
         calls.append(1)
-        raise ConfigurationError("bad state")
+        return [("a", "b", ([], []))]
 
-    buckets = DeferredList(complete, "the test save")
-    with pytest.raises(ConfigurationError, match="bad state"):
-        buckets.resolve()
-    with pytest.raises(InvalidRequestError, match="failed before: bad state"):
-        buckets.resolve()
+    step = PlanStep(plan, list, "the test save")
+    args, preload_fn = step.planned((0, None))
+    assert step.planned((0, None))[0] == args and step() == [("a", "b", ([], []))]
     assert calls == [1]
+    loaded_args, loaded_preload = pickle.loads(pickle.dumps((args, preload_fn)))
+    assert loaded_args == (0, [("a", "b", ([], []))]) and loaded_preload() == loaded_args[1]
 
 
-def test_a_resolved_payload_pickles_as_a_plain_list() -> None:
-    buckets = DeferredList(lambda: buckets.fill([("a", "b", ([], []))]), "the test save")
-    assert buckets.resolve() is buckets and buckets.resolve() is buckets
-    loaded = pickle.loads(pickle.dumps(buckets))
-    assert type(loaded) is list and loaded == [("a", "b", ([], []))]
-
-
-def test_a_planning_that_fills_nothing_is_an_error() -> None:
-    buckets = DeferredList(lambda: None, "the test save")
-    with pytest.raises(InvalidRequestError, match="gave nothing"):
-        buckets.resolve()
+def test_a_planning_that_prepares_no_write_is_an_error(tmp_path) -> None:
+    writer = FileSystemWriterAsync(str(tmp_path / "c"))
+    writer.defer_write_data(lambda: None)
+    _, preload_fn, _ = writer.get_save_function_and_args()
+    with pytest.raises(InvalidRequestError, match="prepared no write"):
+        preload_fn()
 
 
 def test_deferred_planning_runs_on_the_staging_thread_after_earlier_stagings() -> None:
@@ -155,10 +180,8 @@ def test_deferred_planning_runs_on_the_staging_thread_after_earlier_stagings() -
         return _staging.in_staging_order(lambda: threading.current_thread().name)
 
     running = _staging._STAGER.get(1).submit(earlier)
-    buckets = DeferredList(
-        lambda: (order.append(("planned", nested())), buckets.fill([1]))[-1], "the test save"
-    )
-    assert buckets.resolve() == [1]
+    step = PlanStep(lambda: [order.append(("planned", nested()))], list, "the test save")
+    assert step.run() == [None]
     running.result()
     assert [what for what, _ in order] == ["earlier", "planned"]
     assert all(name.startswith("resilient_ckpt-stage") for _, name in order), order

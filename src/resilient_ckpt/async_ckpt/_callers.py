@@ -58,6 +58,7 @@ from ..errors import (
 )
 from . import _reports
 from ._protocol import RemoteFailure, Report, receive_available
+from ._staging import PlanStep
 from ._worker import arm_parent_death_signal
 
 logger = get_logger(__name__)
@@ -72,7 +73,10 @@ class AsyncRequest(NamedTuple):
         finalize_fns: run in the trainer, in order, once ``async_fn`` is done on all ranks.
         async_fn_kwargs: keyword arguments of ``async_fn``.
         preload_fn: zero-argument callable run in the background before ``async_fn``; its
-            return value replaces ``async_fn_args[1]`` (by convention, the state dict).
+            return value replaces ``async_fn_args[1]`` (by convention, the state dict). A
+            :class:`._staging.PlanStep` (a save made with ``defer_planning=True``) is that
+            save's planning: the persistent queue runs it where it stages the request,
+            other callers when they call it.
         is_frozen: once frozen (on scheduling), finalize functions can't be added.
         call_idx: set by the queue; orders requests across ranks.
     """
@@ -346,12 +350,15 @@ def staging_error(exc: Exception, request: AsyncRequest) -> Exception:
     :class:`StagingError` naming the rank and the request; chained to the cause."""
     if isinstance(exc, CheckpointingException) and not isinstance(exc, InvalidRequestError):
         return exc
+    preload_fn: Any = request.preload_fn
+    if isinstance(preload_fn, PlanStep):  # never pickled: the request is staged as planned
+        preload_fn = preload_fn.items
     where = describe_unpicklable(
         {
             "async_fn": request.async_fn,
             "async_fn_args": request.async_fn_args,
             "async_fn_kwargs": request.async_fn_kwargs,
-            "preload_fn": request.preload_fn,
+            "preload_fn": preload_fn,
         },
         "request",
     )

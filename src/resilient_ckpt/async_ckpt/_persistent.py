@@ -68,7 +68,7 @@ from ._protocol import (
     receive_available,
     widen_send_buffer,
 )
-from ._staging import PendingSnapshot, StagedRequest, prime, resolve_deferred, stage
+from ._staging import PendingSnapshot, PlanStep, StagedRequest, prime, stage
 from ._structure import StageCache
 
 logger = get_logger(__name__)
@@ -174,12 +174,16 @@ def _launch(setup: Setup) -> tuple[WorkerProcess, Channel]:
 def _complete_and_stage(
     request: tuple, *args: Any, order: DeviceOrder | None = None, **kwargs: Any
 ) -> StagedRequest:
-    """Complete the request's deferred arguments, then stage it: here, so that in overlapped
-    staging both run on the staging thread.
+    """Run the request's deferred planning if it has one (a :class:`PlanStep` as its
+    ``preload_fn``), then stage the planned request: here, so that in overlapped staging both
+    run on the staging thread.
     """
     if order is not None:
         order.adopt()
-    resolve_deferred(request[1])
+    async_fn, fn_args, fn_kwargs, preload_fn = request
+    if isinstance(preload_fn, PlanStep):
+        fn_args, preload_fn = preload_fn.planned(fn_args)
+        request = (async_fn, fn_args, fn_kwargs, preload_fn)
     return stage(request, *args, order=order, **kwargs)
 
 

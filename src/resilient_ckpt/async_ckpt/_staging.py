@@ -32,18 +32,19 @@ stable, expensive part, DCP write items, is cached per plan in :mod:`._dcp_bucke
 
 **Deferred planning** (``defer_planning=True``; the user's contract is in
 :func:`.state_dict_saver.save_state_dict_async_plan` and ``LocalCheckpointManager``): the
-save's planning runs when its request is staged, the payload being a :class:`DeferredList`.
-It is the very same planning, later: its collectives use the library's *background* gloo
-group (:func:`resilient_ckpt._dist.background_group`), so they never interleave with the
-trainer thread's, and it always runs on the one staging thread (:func:`in_staging_order`),
-so every rank plans deferred saves in the same order. The persistent queue resolves deferred
-arguments before pickling (:func:`resolve_deferred`), a ``preload_fn`` resolves its own, and
-a :class:`DeferredList` pickled unresolved refuses.
+request's ``preload_fn`` is a :class:`PlanStep`, the save's planning, which the persistent
+queue runs first; what it stages is the planned request (the write's items in
+``async_fn_args[1]``, their preload as ``preload_fn``). It is the very same
+planning, later: its collectives use the library's *background* gloo group
+(:func:`resilient_ckpt._dist.background_group`), so they never interleave with the trainer
+thread's, and it always runs on the one staging thread (:func:`in_staging_order`), so every
+rank plans deferred saves in the same order.
 """
 
 from __future__ import annotations
 
 import copyreg
+import functools
 import importlib
 import io
 import pickle
@@ -660,91 +661,65 @@ class PendingSnapshot:
             release(staged.arena.arena_id)
 
 
-class DeferredArgument:
-    """A request argument completed where the request is staged: :meth:`resolve` completes it in
-    place, once.
+class PlanStep:
+    """The planning of a save made with ``defer_planning=True``: its request's ``preload_fn``.
+
+    ``plan()`` plans the save and returns the write's items, the request's
+    ``async_fn_args[1]``; ``preload(items)`` is the preload of those items. Where the request
+    is staged (the persistent queue) the staging thread runs the planning first
+    (:meth:`planned`), and the request is staged as a planned one; called as a ``preload_fn``
+    in the trainer (the fork queue, ``execute_sync``), it plans, then preloads.
+
+    The planning runs once, on the staging thread after every staging submitted before it: a
+    failure is kept and raised by every later call, since running its collectives again on
+    one rank alone would leave that rank waiting for the others. Unplanned, it has nothing
+    to send to a worker, so it refuses to pickle.
     """
 
-    def resolve(self) -> Any:
-        raise NotImplementedError
-
-
-def resolve_deferred(args: tuple | list) -> None:
-    """Complete the request's deferred positional arguments, before it is pickled."""
-    for arg in args:
-        if isinstance(arg, DeferredArgument):
-            arg.resolve()
-
-
-class DeferredList(list, DeferredArgument):
-    """A list that stays empty until :meth:`resolve` plans the save that fills it.
-
-    The planning runs once: a failure is kept and raised by every later call, since running its
-    collectives again on one rank alone would leave that rank waiting for the others.
-    """
-
-    def __init__(self, complete: Callable[[], None], what: str) -> None:
-        super().__init__()
-        self._complete: Callable[[], None] | None = complete
-        self._what = what
-        self._filled = False
-        self._planning = False
+    def __init__(self, plan: Callable[[], list], preload: Callable[[list], Any], what: str) -> None:
+        self._plan = plan
+        self.preload = preload
+        self.what = what
+        self._items: list | None = None
         self._error: BaseException | None = None
-        self._lock = threading.Lock()
 
     @property
-    def planning(self) -> bool:
-        """True while :meth:`resolve` runs the planning, the only time :meth:`fill` may run."""
-        return self._planning
+    def items(self) -> list | None:
+        """The planned items; None until the planning ran."""
+        return self._items
 
-    def fill(self, items: list) -> None:
-        """The planned contents (called while :meth:`resolve` runs; again if the planning
-        prepares the write twice, when a cached plan turns out not to fit every rank)."""
-        self[:] = items
-        self._filled = True
+    def run(self) -> list:
+        """The planned items, the planning run first if it has not run."""
+        if self._items is not None:
+            return self._items
+        return in_staging_order(self._run_here)
 
-    def resolve(self) -> DeferredList:
-        if self._filled:
-            return self
-        return in_staging_order(self._resolve_here)
+    def _run_here(self) -> list:
+        if self._items is not None:
+            return self._items
+        if self._error is not None:
+            raise InvalidRequestError(
+                f"the deferred planning of {self.what} failed before: {self._error}"
+            ) from self._error
+        try:
+            self._items = self._plan()
+        except BaseException as exc:
+            self._error = exc
+            raise
+        return self._items
 
-    def _resolve_here(self) -> DeferredList:
-        with self._lock:
-            if self._error is not None:
-                raise InvalidRequestError(
-                    f"the deferred planning of {self._what} failed before: {self._error}"
-                ) from self._error
-            complete, self._complete = self._complete, None
-            if complete is not None:
-                self._planning = True
-                try:
-                    complete()
-                except BaseException as exc:
-                    self._error = exc
-                    raise
-                finally:
-                    self._planning = False
-                if not self._filled:
-                    self._error = InvalidRequestError(f"the planning of {self._what} gave nothing")
-                    raise self._error
-        return self
+    def __call__(self) -> Any:
+        return self.preload(self.run())
 
-    @property
-    def resolved(self) -> bool:
-        return self._filled
+    def planned(self, args: tuple | list) -> tuple[tuple, Callable[[], Any]]:
+        """``(async_fn_args, preload_fn)`` of the planned request: the items in ``args[1]``,
+        the preload bound to them."""
+        items = self.run()
+        return (args[0], items, *args[2:]), functools.partial(self.preload, items)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        if not self._filled:
-            raise InvalidRequestError(
-                f"{self._what} was made with defer_planning=True and is not planned yet: "
-                "schedule its request on an AsyncCallsQueue (its staging plans it) or call "
-                "the request's preload_fn first"
-            )
-        return list, (list(self),)
-
-
-def resolved(value: Any) -> Any:
-    """``value``, completed first if it is a deferred argument (for ``preload_fn``s)."""
-    if isinstance(value, DeferredArgument):
-        value.resolve()
-    return value
+        raise InvalidRequestError(
+            f"{self.what} was made with defer_planning=True and its planning is its request's "
+            "preload_fn: schedule the request on an AsyncCallsQueue (its staging plans it) or "
+            "call the preload_fn"
+        )

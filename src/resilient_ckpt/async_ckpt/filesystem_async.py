@@ -10,10 +10,14 @@ Call protocol (every rank; "trainer" is the training process):
 2. ``prepare_local_plan`` / ``prepare_global_plan`` (trainer, planning): as torch's writer.
 3. ``prepare_write_data(plan, planner)`` (trainer): resolves every item of the final plan and
    groups them into write buckets, one per data file, balanced over ``thread_count``
-   threads. Nothing is copied: the snapshot is taken when the request is scheduled.
+   threads. Nothing is copied: the snapshot is taken when the request is scheduled. A save
+   made with ``defer_planning=True`` calls ``defer_write_data(plan)`` instead: the planning
+   (and with it this step) runs where the request is staged.
 4. ``get_save_function_and_args()`` -> ``(save_fn, preload_fn, args)`` for
    ``AsyncRequest(save_fn, args, [finalize], preload_fn=preload_fn)``; ``args[1]`` is the
-   bucket list, which ``preload_fn`` replaces by its host copy. ``save_fn`` runs in the
+   bucket list, which ``preload_fn`` replaces by its host copy (a deferred save's
+   ``preload_fn`` is its planning, a :class:`._staging.PlanStep`, and ``args[1]`` None until
+   it ran). ``save_fn`` runs in the
    background process (:mod:`._dcp_write`), writes the ``__<rank>_<k>.distcp`` files and
    sends their report (sizes, CRC32s, each file's write results encoded as rows, or the
    failure) back over the worker's channel (:mod:`._reports`); nothing else is written into
@@ -65,6 +69,7 @@ from ..errors import (
     CheckpointWriteError,
     ConfigurationError,
     FrozenRequestError,
+    InvalidRequestError,
 )
 from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
@@ -81,7 +86,7 @@ from ._dcp_write import (
     write_file,
 )
 from ._nvrx import WriteResultsQueue, WriterNames
-from ._staging import DeferredList, resolved
+from ._staging import PlanStep
 
 logger = get_logger(__name__)
 
@@ -304,14 +309,18 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
         self.written_files: dict[str, tuple[int, int]] = {}
         self._job: WriteJob | None = None
         self._expected_files: list[str] | None = None
-        self._deferred: DeferredList | None = None  # planned when the request is staged
+        # A deferred save (defer_write_data): its planning until handed out, and whether
+        # that planning is running now.
+        self._deferred = False
+        self._plan_step: PlanStep | None = None
+        self._planning = False
 
     @property
     def has_data_to_write(self) -> bool:
         """Whether this rank's prepared save writes any file (NVRx's name); always True for a
         deferred save, which runs its save function.
         """
-        return self._deferred is not None or bool(self._expected_files)
+        return self._deferred or bool(self._expected_files)
 
     def _validate_options(self, checkpoint_dir: str) -> None:
         _check_writer_options(self, checkpoint_dir, local=isinstance(self._backend, PosixBackend))
@@ -375,26 +384,44 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             separation_hint=self.separation_hint,
         )
         self._expected_files = [name for _, name, _ in buckets]
-        deferred = self._deferred
-        if deferred is not None and deferred.planning:
-            # Completing a deferred save: its save function (bound to its job) and its
-            # payload were handed out already; the payload gets the buckets.
-            deferred.fill(buckets)
-            return
-        self._deferred = None  # a deferred save of this writer's that is over
         self.write_buckets = buckets
+        if self._planning:
+            # A deferred save's planning, which returns the buckets: its save function
+            # (bound to its job) was handed out already.
+            return
+        self._deferred = False  # a deferred save of this writer's that is over
         self._job = self._new_job()
         self.written_files = {}
 
-    def defer_write_data(self, complete: Any) -> None:
-        """Prepare a save planned when its request is staged (:mod:`._staging`): the payload is a
-        ``DeferredList`` that ``complete`` fills through :meth:`prepare_write_data`.
+    def defer_write_data(self, plan: Callable[[], None]) -> None:
+        """Prepare a save planned when its request is staged (:class:`._staging.PlanStep`):
+        ``plan()`` plans it, calling :meth:`prepare_write_data`; the buckets that prepares are
+        the write's. :meth:`get_save_function_and_args` then hands out that planning as the
+        ``preload_fn`` (``args[1]`` is None until it ran).
         """
         self._job = self._new_job()
-        self._deferred = DeferredList(complete, f"the DCP save to {self.checkpoint_dir!r}")
-        self.write_buckets = self._deferred
+        self._deferred = True
+        self._plan_step = PlanStep(
+            functools.partial(self._run_deferred_plan, plan),
+            type(self).preload_tensors,
+            f"the DCP save to {self.checkpoint_dir!r}",
+        )
+        self.write_buckets = None
         self._expected_files = None
         self.written_files = {}
+
+    def _run_deferred_plan(self, plan: Callable[[], None]) -> list[WriteBucket]:
+        self._planning = True
+        try:
+            plan()
+        finally:  # the buckets are the planning's to return, never the writer's to hand out
+            self._planning = False
+            buckets, self.write_buckets = self.write_buckets, None
+        if buckets is None:
+            raise InvalidRequestError(
+                f"the planning of the DCP save to {self.checkpoint_dir!r} prepared no write"
+            )
+        return buckets
 
     def _new_job(self) -> WriteJob:
         return WriteJob(
@@ -413,7 +440,9 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
 
     def get_save_function_and_args(self) -> tuple[Any, Any, list]:
         """``(save_fn, preload_fn, args)``, or ``(None, None, [])`` when this rank writes nothing.
-        ``preload_fn()`` returns the buckets with tensors on the host, to replace ``args[1]``.
+        ``preload_fn()`` returns the buckets with tensors on the host, to replace ``args[1]``; a
+        deferred save's is its planning (a :class:`._staging.PlanStep`), and its ``args[1]`` is
+        None until that ran.
 
         The payload (which references the trainer's tensors) is handed over, not kept, so once the
         request is staged the writer holds no training memory. A second call for the same prepared
@@ -421,16 +450,20 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
         """
         if self._job is None or not self.has_data_to_write:
             return None, None, []
-        if self.write_buckets is None:
-            raise FrozenRequestError(
-                f"the write payload of this save to {self.checkpoint_dir!r} has already been "
-                "transferred (get_save_function_and_args was called before); call "
-                "prepare_write_data (or plan again) to prepare another save"
-            )
-        buckets, self.write_buckets = self.write_buckets, None
         save_fn = functools.partial(type(self).write_preloaded_data_multithread, self._job)
-        preload_fn = functools.partial(type(self).preload_tensors, buckets, True)
-        return save_fn, preload_fn, [self._job.rank, buckets]
+        if self._deferred:
+            step, self._plan_step = self._plan_step, None
+            if step is not None:
+                return save_fn, step, [self._job.rank, None]
+        elif self.write_buckets is not None:
+            buckets, self.write_buckets = self.write_buckets, None
+            preload_fn = functools.partial(type(self).preload_tensors, buckets, True)
+            return save_fn, preload_fn, [self._job.rank, buckets]
+        raise FrozenRequestError(
+            f"the write payload of this save to {self.checkpoint_dir!r} has already been "
+            "transferred (get_save_function_and_args was called before); call "
+            "prepare_write_data (or plan again) to prepare another save"
+        )
 
     @staticmethod
     def preload_tensors(
@@ -438,10 +471,9 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
     ) -> list[WriteBucket]:
         """The buckets with every tensor on the host and none aliasing memory another process can
         change: device tensors are copied, and CPU tensors in shared memory (``share_memory_()``)
-        are cloned, since the trainer may still write them; private CPU tensors pass as they are. A
-        deferred save's buckets are planned first.
+        are cloned, since the trainer may still write them; private CPU tensors pass as they are.
         """
-        return host_buckets(resolved(write_buckets), non_blocking)
+        return host_buckets(write_buckets, non_blocking)
 
     # -- the background write ---------------------------------------------------------------
 
@@ -483,13 +515,13 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
         if self._expected_files is None:
             what = (
                 "the deferred planning of this save did not run: its request was not staged"
-                if self._deferred is not None
+                if self._deferred
                 else "retrieve_write_results before prepare_write_data: nothing was planned"
             )
             raise CheckpointWriteError(what, rank=self._rank())
         # A save function was handed out (the payload is gone) iff a report will come: a
         # deferred save's always, even when its planning gave this rank nothing to write.
-        handed_out = self.write_buckets is None
+        handed_out = self.write_buckets is None and self._plan_step is None
         if self._job is None or not (self._expected_files or handed_out):
             return []
         report = take_report(self._job)
@@ -539,7 +571,8 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
         self._expected_files = None
         self.written_files = {}
         self._job = None
-        self._deferred = None
+        self._deferred = False
+        self._plan_step = None
 
     @property
     def checkpoint_id(self) -> str | os.PathLike:

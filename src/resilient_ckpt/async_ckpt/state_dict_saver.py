@@ -42,6 +42,7 @@ import gc
 import pickle
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,10 @@ from ._structure import Structure
 from .filesystem_async import FileSystemWriterAsync, _wrap_exception_for_gather
 
 logger = get_logger(__name__)
+
+PlannedMetadata = Metadata | Future[Metadata | None] | None
+"""What :func:`save_state_dict_async_plan` returns as ``global_metadata``: the coordinator's
+metadata (None elsewhere), or for a deferred save the future of it (see there)."""
 
 
 @contextlib.contextmanager
@@ -180,7 +185,7 @@ def save_state_dict_async_plan(
     metadata_cache: CheckpointMetadataCache | None = None,
     *,
     defer_planning: bool = False,
-) -> tuple[Any, Metadata | None, _DistWrapper]:
+) -> tuple[Any, PlannedMetadata, _DistWrapper]:
     """Plan a DCP save and prepare the writer's background write (collective, all ranks).
 
     Returns ``(storage_writer, global_metadata, dist_wrapper)``, to be passed unchanged to
@@ -189,13 +194,17 @@ def save_state_dict_async_plan(
     reused while the state's structure is unchanged on every rank (one small gloo collective
     per save checks it); ``metadata_cache`` defaults to the process-wide cache.
 
-    ``defer_planning=True`` (needs ``enable_cache``; every rank alike): from the second save
-    on, the planning runs where the request is staged instead of here: with
-    ``overlap_staging=True``, on the staging thread, so this call returns at once. The
-    planning is the same, the coordinator's ``global_metadata`` is filled in then, and
-    planning errors are raised by ``schedule_async_request`` or ``wait_for_snapshot``
-    instead of here (see :mod:`._staging`). Needs a writer that supports it
-    (``FileSystemWriterAsync``) and the default process group; otherwise the call plans.
+    ``defer_planning=True`` (needs ``enable_cache``; every rank alike; our extension of NVRx's
+    call): from the second save on, the planning runs where the request is staged instead of
+    here: with ``overlap_staging=True``, on the staging thread, so this call returns at once.
+    The planning is the same; planning errors are raised by ``schedule_async_request`` or
+    ``wait_for_snapshot`` instead of here (see :mod:`._staging`). Such a deferred save returns,
+    on every rank, a ``concurrent.futures.Future`` as ``global_metadata``: set when the
+    planning runs, to what this call would have returned (the coordinator's metadata, None
+    elsewhere), or to its error. The finalize takes it as it is; :func:`planned_metadata`
+    resolves it. The writer's ``get_save_function_and_args`` then hands out the planning as
+    the ``preload_fn``. Needs a writer that supports it (``FileSystemWriterAsync``) and the
+    default process group; otherwise the call plans, and returns what it does without it.
     """
     checkpoint = {_telemetry.CHECKPOINT: str(getattr(storage_writer, "checkpoint_id", ""))}
     with _telemetry.save_phase(_telemetry.PLAN_SPAN, "dcp", checkpoint):
@@ -220,7 +229,7 @@ def _plan_save(
     enable_cache: bool,
     metadata_cache: CheckpointMetadataCache | None,
     defer_planning: bool,
-) -> tuple[Any, Metadata | None, _DistWrapper]:
+) -> tuple[Any, PlannedMetadata, _DistWrapper]:
     use_dist = dist.is_available() and dist.is_initialized()
     dist_wrapper = _DistWrapper(process_group, use_dist, coordinator_rank)
     planner = planner if planner is not None else DefaultSavePlanner()
@@ -328,24 +337,38 @@ def _defer(
     planner: SavePlanner,
     dist_wrapper: _DistWrapper,
     cache: CheckpointMetadataCache,
-) -> tuple[Any, Metadata | None, _DistWrapper]:
-    """Hand the writer a payload that plans this save when it is staged; the coordinator's
-    metadata is a placeholder that the planning fills in place."""
+) -> tuple[Any, PlannedMetadata, _DistWrapper]:
+    """Hand the writer this save's planning, to run when its request is staged; the metadata
+    is the future of what that planning returns."""
     use_dist = dist_wrapper.use_dist
     several = use_dist and dist_wrapper.get_world_size() > 1
     group = _dist.background_group() if several else None  # collective on first use
-    placeholder = Metadata(state_dict_metadata={}) if dist_wrapper.is_coordinator else None
+    metadata: Future[Metadata | None] = Future()
 
-    def complete() -> None:
+    def plan() -> None:
         background = _DistWrapper(group, use_dist, dist_wrapper.coordinator_rank)
-        metadata = _plan(state_dict, writer, planner, background, cache, several, group)
-        if placeholder is not None:
-            if metadata is None:
-                raise InvalidRequestError("the deferred planning gave the coordinator no metadata")
-            vars(placeholder).update(vars(metadata))
+        try:
+            planned = _plan(state_dict, writer, planner, background, cache, several, group)
+        except BaseException as exc:
+            metadata.set_exception(exc)
+            raise
+        metadata.set_result(planned)
 
-    writer.defer_write_data(complete)
-    return writer, placeholder, dist_wrapper
+    writer.defer_write_data(plan)
+    return writer, metadata, dist_wrapper
+
+
+def planned_metadata(global_metadata: PlannedMetadata) -> Metadata | None:
+    """``global_metadata`` as :func:`save_state_dict_async_plan` returned it, a deferred save's
+    future resolved: the coordinator's metadata, None elsewhere. Raises the planning's error
+    if it failed, :class:`~resilient_ckpt.errors.InvalidRequestError` if it has not run."""
+    if not isinstance(global_metadata, Future):
+        return global_metadata
+    if not global_metadata.done():
+        raise InvalidRequestError(
+            "the deferred planning of this save did not run: its request was not staged"
+        )
+    return global_metadata.result()
 
 
 def _update_cache(
@@ -494,7 +517,7 @@ class _RankOutcome:
 
 def save_state_dict_async_finalize(
     storage_writer: Any,
-    global_metadata: Metadata | None,
+    global_metadata: PlannedMetadata,
     dist_wrapper: _DistWrapper,
     reuse_metadata_obj: Metadata | None = None,
     create_metadata_path: str | None = None,
@@ -574,7 +597,8 @@ def _compact_results(writer: Any) -> Any:
     return writer.retrieve_write_rows
 
 
-def _commit(writer: Any, metadata: Metadata | None, outcomes: list[_RankOutcome]) -> None:
+def _commit(writer: Any, global_metadata: PlannedMetadata, outcomes: list[_RankOutcome]) -> None:
+    metadata = planned_metadata(global_metadata)
     if metadata is None:
         raise InvalidRequestError(
             "the coordinator has no global metadata to commit: pass the result of "

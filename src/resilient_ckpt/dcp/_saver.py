@@ -61,6 +61,7 @@ from ..async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from ..async_ckpt.filesystem_async import FileSystemWriterAsync
 from ..async_ckpt.state_dict_saver import (
     CheckpointMetadataCache,
+    planned_metadata,
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
@@ -169,8 +170,7 @@ def _commit(plan: tuple, future: _SaveFuture) -> None:
     A failure propagates to the queue's caller, :meth:`_Engine.commit_done`, which sets it
     on this future."""
     save_state_dict_async_finalize(*plan)
-    metadata = plan[1]
-    future.set_result(metadata if isinstance(metadata, Metadata) else None)
+    future.set_result(planned_metadata(plan[1]))
 
 
 # -- the arguments -----------------------------------------------------------------------------

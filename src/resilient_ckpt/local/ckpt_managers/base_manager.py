@@ -39,7 +39,7 @@ import torch
 
 from ... import _dist, _telemetry
 from ..._logging import get_logger
-from ...async_ckpt._staging import DeferredList, resolved
+from ...async_ckpt._staging import PlanStep
 from ...async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from ...config import default_timeouts
 from ...errors import (
@@ -99,12 +99,6 @@ def _require_tensor_aware(state_dict: Any, method: str) -> None:
             f"{method}() needs a TensorAwareStateDict, got {type(state_dict).__name__}; wrap "
             "a plain state dict in BasicTensorAwareStateDict"
         )
-
-
-def _on_host_resolved(sources: list[Source]) -> list[Source]:
-    """``preload_fn`` of a deferred save: plan it if staging did not (the fork queue), then
-    ``on_host`` (in the worker, it gets the staged sources as a plain list)."""
-    return on_host(resolved(sources))
 
 
 def _check_iteration(iteration: Any) -> None:
@@ -324,7 +318,8 @@ class BaseCheckpointManager(ABC):
 
     def _deferred_request(self, state_dict: Any, iteration: Any) -> AsyncRequest:
         """An async save whose checks and layout (agreed on the background group) run where
-        its request is staged (:mod:`resilient_ckpt.async_ckpt._staging`)."""
+        its request is staged: its ``preload_fn`` is that planning
+        (:class:`resilient_ckpt.async_ckpt._staging.PlanStep`), its sources None until then."""
         _check_iteration(iteration)  # here too: the request's targets are named by it
         group = _dist.background_group() if _dist.is_distributed() else None
         self.latest_iteration = -1
@@ -332,7 +327,7 @@ class BaseCheckpointManager(ABC):
         my_id = self._ckpt_id(iteration)
         write_fn, targets = self._write_request(iteration, [my_id])
 
-        def complete() -> None:
+        def plan() -> list[Source]:
             layout, iterations = _dist.run_agreed_int(
                 "local checkpoint save",
                 lambda: self._prepare(state_dict, iteration),
@@ -342,12 +337,11 @@ class BaseCheckpointManager(ABC):
             if len(set(iterations)) != 1:
                 raise ConfigurationError(f"ranks save different iterations: {iterations}")
             self._inflight.add(iteration)
-            sources.fill([layout])
+            return [layout]
 
-        sources = DeferredList(complete, f"local checkpoint {iteration}")
+        step = PlanStep(plan, on_host, f"local checkpoint {iteration}")
         finalize = functools.partial(self._finalize_save, iteration)
-        preload = functools.partial(_on_host_resolved, sources)
-        return AsyncRequest(write_fn, (targets, sources), [finalize], preload_fn=preload)
+        return AsyncRequest(write_fn, (targets, None), [finalize], preload_fn=step)
 
     def _save_now(self, layout: ShardLayout, my_id: CkptID) -> None:
         """Replicate (if configured) and write every copy, agreed across ranks."""
