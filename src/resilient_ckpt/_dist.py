@@ -15,8 +15,8 @@
   pickle, their classes may not exist elsewhere. Every rank then raises the same
   :class:`~resilient_ckpt.errors.RankFailureError` (class chosen by :mod:`._rank_errors`)
   naming the failed ranks, instead of the healthy ones timing out in the next collective.
-  :func:`run_agreed` and its two variants run a step here and agree its outcome, the form
-  most callers need.
+  :func:`run_agreed` (and :func:`gather_agreed`, :func:`run_agreed_int`, which also share
+  a value) run a step here and agree its outcome, the form most callers need.
 * **The same agreement with a coordinator that acts**, :func:`decide`, for a step whose
   outcome one rank computes from everyone's contributions (a DCP save's global plan, its
   commit). Each rank's error and payload are *gathered* on the coordinator, not all-gathered:
@@ -331,21 +331,20 @@ def run_agreed(what: str, step: Callable[[], T]) -> T:
     return value  # type: ignore[return-value]
 
 
-def run_agreed_gather(what: str, step: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
-    """Run ``step`` (returning ``(local, shared)``) here; ``local`` and every rank's
-    ``shared``, in one object all-gather. Raises on every rank if ``step`` failed on any."""
-    result, error = _attempt(step)
-    value, shared = result if result is not None else (None, None)
-    outcomes = agree(what, error, payload=shared, with_payload=True)
-    return value, [o.payload for o in outcomes]  # type: ignore[return-value]
+def gather_agreed(what: str, step: Callable[[], T]) -> list[T]:
+    """Run ``step`` here; every rank's value, in rank order, in one object all-gather.
+    Raises on every rank if ``step`` failed on any. Collective, on the library group."""
+    value, error = _attempt(step)
+    outcomes = agree(what, error, payload=value, with_payload=True)
+    return [o.payload for o in outcomes]
 
 
 def run_agreed_int(
     what: str, step: Callable[[], T], number: int, group: Any = None
 ) -> tuple[T, list[int]]:
-    """:func:`run_agreed_gather` of one ``int``, carried in the tensor all-gather of the
-    failure flags (no object all-gather, no pickle). On ``group`` (default: the library
-    group; a deferred save's staging passes the background group)."""
+    """Run ``step`` here; its value and every rank's ``number``, carried in the tensor
+    all-gather of the failure flags (no object all-gather, no pickle). On ``group``
+    (default: the library group; a deferred save's staging passes the background group)."""
     value, error = _attempt(step)
     shared = number if error is None and isinstance(number, int) else -1
     outcomes = agree(what, error, ints=(shared,), group=group)
