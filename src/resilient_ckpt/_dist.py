@@ -15,9 +15,18 @@
   pickle, their classes may not exist elsewhere. Every rank then raises the same
   :class:`~resilient_ckpt.errors.RankFailureError` (class chosen by :mod:`._rank_errors`)
   naming the failed ranks, instead of the healthy ones timing out in the next collective.
-  Not torch's ``_DistWrapper.all_reduce``: it gathers on a coordinator, runs on the user's
-  group and raises a ``BaseException``. :func:`run_agreed` and its two variants run a step
-  here and agree its outcome, the form most callers need.
+  :func:`run_agreed` (and :func:`gather_agreed`, :func:`run_agreed_int`, which also share
+  a value) run a step here and agree its outcome, the form most callers need.
+* **The same agreement with a coordinator that acts**, :func:`decide`, for a step whose
+  outcome one rank computes from everyone's contributions (a DCP save's global plan, its
+  commit). Each rank's error and payload are *gathered* on the coordinator, not all-gathered:
+  a finalize's payload is every rank's write results, which only the coordinator reads.
+  The coordinator acts when no rank failed, and a failure of its act is its own failure;
+  the verdict (the failures, or the act's result, whole or one part per rank) goes back in
+  one broadcast or scatter, and every rank raises the error :func:`agree` would raise. This
+  replaces torch's ``_DistWrapper`` collectives, which ran on the caller's group (often
+  NCCL), carried pickled exception objects (which may not unpickle elsewhere) and raised
+  torch's ``CheckpointException``, a ``BaseException``, that each caller had to convert.
 """
 
 from __future__ import annotations
@@ -207,6 +216,105 @@ def agree(
     return [Outcome(r, tuple(v), p) for r, (_, v, p) in enumerate(gathered)]
 
 
+def decide(
+    what: str,
+    error: BaseException | None,
+    payload: Any,
+    act: Callable[[list[Any]], Any],
+    *,
+    coordinator: int = 0,
+    scatter: bool = False,
+    group: Any = None,
+    local_only: bool = False,
+    timeout: float | None = None,
+) -> Any:
+    """``act(payloads)``, run on the ``coordinator`` when no rank set ``error``; its result on
+    every rank (with ``scatter``, ``act`` returns one result per rank and each rank gets its
+    own). Raise everywhere on any error, as :func:`agree` does.
+
+    Collective over ``group`` (default: the library group; ``coordinator`` is a rank of it);
+    every rank passes the same ``what``, ``coordinator`` and ``scatter``. ``payload``: what
+    this rank gives ``act`` (anything that pickles), ignored when ``error`` is set; the
+    coordinator's ``act`` gets every rank's, in group-rank order, and an exception it raises
+    is the coordinator's failure. ``local_only``: this rank alone, as its own coordinator.
+    One object gather to the coordinator, then one object broadcast or scatter of the verdict.
+    """
+    me = _group_rank(group, local_only)
+    mine = RankFailure.of(me, error) if error is not None else None
+    if local_only or (group is None and not is_distributed()):
+        verdict, act_error = _verdict([(mine, payload)], act, me, scatter)
+        failures, result = verdict[0] if scatter else verdict
+    else:
+        failures, result, act_error = _decide_on(
+            (mine, payload), act, me, coordinator, scatter, group, timeout
+        )
+    own_error = error if error is not None else act_error
+    if failures:
+        raise _agreed_error(what, failures, own_error, me, {}) from (
+            own_error if own_error is not None else _first_remote_traceback(failures)
+        )
+    return result
+
+
+def _decide_on(
+    entry: tuple[RankFailure | None, Any],
+    act: Callable[[list[Any]], Any],
+    me: int,
+    coordinator: int,
+    scatter: bool,
+    group: Any,
+    timeout: float | None,
+) -> tuple[list[RankFailure], Any, BaseException | None]:
+    """:func:`decide` across ranks: ``(failures, result, the act's error here)``."""
+    group = library_group(timeout) if group is None else group
+    source = dist.get_global_rank(group, coordinator)
+    size = dist.get_world_size(group)
+    gathered: list[Any] | None = [None] * size if me == coordinator else None
+    dist.gather_object(entry, gathered, dst=source, group=group)
+    verdict: Any = None
+    act_error: BaseException | None = None
+    if gathered is not None:
+        verdict, act_error = _verdict(gathered, act, me, scatter)
+    if scatter:
+        mine: list[Any] = [None]
+        dist.scatter_object_list(mine, verdict, src=source, group=group)
+        failures, result = mine[0]
+    else:
+        box = [verdict]
+        dist.broadcast_object_list(box, src=source, group=group)
+        failures, result = box[0]
+    return failures, result, act_error
+
+
+def _verdict(
+    gathered: list[tuple[RankFailure | None, Any]],
+    act: Callable[[list[Any]], Any],
+    me: int,
+    scatter: bool,
+) -> tuple[Any, BaseException | None]:
+    """The coordinator's verdict on ``gathered``: ``(failures, result)``, or with ``scatter``
+    one such pair per rank; and the act's exception, if it raised."""
+    failures = [failure for failure, _ in gathered if failure is not None]
+    result: Any = None
+    act_error: BaseException | None = None
+    if not failures:
+        try:
+            result = act([payload for _, payload in gathered])
+            if scatter and (not isinstance(result, Sequence) or len(result) != len(gathered)):
+                raise CheckpointingException(
+                    f"the coordinator's step gave {type(result).__name__} for "
+                    f"{len(gathered)} ranks, not one result per rank"
+                )
+        except Exception as exc:
+            act_error = exc
+            failures = [RankFailure.of(me, exc)]
+    if not scatter:
+        return (failures, result), act_error
+    if failures:
+        return [(failures, None)] * len(gathered), act_error
+    return [([], part) for part in result], act_error
+
+
 def _attempt(step: Callable[[], T]) -> tuple[T | None, Exception | None]:
     """``step()`` here: its value, or the exception :func:`agree` carries to every rank."""
     try:
@@ -223,21 +331,20 @@ def run_agreed(what: str, step: Callable[[], T]) -> T:
     return value  # type: ignore[return-value]
 
 
-def run_agreed_gather(what: str, step: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
-    """Run ``step`` (returning ``(local, shared)``) here; ``local`` and every rank's
-    ``shared``, in one object all-gather. Raises on every rank if ``step`` failed on any."""
-    result, error = _attempt(step)
-    value, shared = result if result is not None else (None, None)
-    outcomes = agree(what, error, payload=shared, with_payload=True)
-    return value, [o.payload for o in outcomes]  # type: ignore[return-value]
+def gather_agreed(what: str, step: Callable[[], T]) -> list[T]:
+    """Run ``step`` here; every rank's value, in rank order, in one object all-gather.
+    Raises on every rank if ``step`` failed on any. Collective, on the library group."""
+    value, error = _attempt(step)
+    outcomes = agree(what, error, payload=value, with_payload=True)
+    return [o.payload for o in outcomes]
 
 
 def run_agreed_int(
     what: str, step: Callable[[], T], number: int, group: Any = None
 ) -> tuple[T, list[int]]:
-    """:func:`run_agreed_gather` of one ``int``, carried in the tensor all-gather of the
-    failure flags (no object all-gather, no pickle). On ``group`` (default: the library
-    group; a deferred save's staging passes the background group)."""
+    """Run ``step`` here; its value and every rank's ``number``, carried in the tensor
+    all-gather of the failure flags (no object all-gather, no pickle). On ``group``
+    (default: the library group; a deferred save's staging passes the background group)."""
     value, error = _attempt(step)
     shared = number if error is None and isinstance(number, int) else -1
     outcomes = agree(what, error, ints=(shared,), group=group)

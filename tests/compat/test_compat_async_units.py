@@ -44,6 +44,7 @@ from resilient_ckpt.errors import (
     ConfigurationError,
     RemoteExceptionError,
     StagingError,
+    StorageError,
     WorkerDiedError,
 )
 from resilient_ckpt.utils import preload_tensors
@@ -83,18 +84,21 @@ def test_wrap_exception_is_torchs_pair_of_the_exception_and_its_frames() -> None
     assert any(frame.name == "_raise_runtime_error" for frame in stack)
 
 
-def test_finalize_gathers_a_failed_write_through_the_modules_wrap(tmp_path, monkeypatch) -> None:
+def test_finalize_of_a_failed_write_raises_its_error_and_commits_nothing(tmp_path) -> None:
     writer, _, metadata = prepared_writer(tmp_path, small_state())  # never written
-    wrapped: list[BaseException] = []
-
-    def recording_wrap(exc: BaseException) -> Any:
-        wrapped.append(exc)
-        return torch_wrap_exception(exc)
-
-    monkeypatch.setattr(filesystem_async, "_wrap_exception", recording_wrap)
-    with pytest.raises(CheckpointException):
+    with pytest.raises(CheckpointException) as info:
         save_state_dict_async_finalize(writer, metadata, _DistWrapper(None, False, 0))
-    assert [type(exc) for exc in wrapped] == [CheckpointWriteError]
+    assert [type(exc) for exc, _ in info.value.failures.values()] == [CheckpointWriteError]
+    assert not (tmp_path / ".metadata").exists()
+
+
+def test_finalize_raises_the_failure_an_nvrx_style_writer_returns(tmp_path) -> None:
+    writer, _, metadata = prepared_writer(tmp_path, small_state())
+    returned = filesystem_async._wrap_exception_for_gather(OSError(28, "No space left"))
+    writer.retrieve_write_results = lambda: returned  # NVRx's writers return, not raise
+    with pytest.raises(CheckpointException, match="No space left") as info:
+        save_state_dict_async_finalize(writer, metadata, _DistWrapper(None, False, 0))
+    assert isinstance(info.value, StorageError) and list(info.value.failures) == [0]
     assert not (tmp_path / ".metadata").exists()
 
 

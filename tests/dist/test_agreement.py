@@ -90,6 +90,68 @@ def test_agree_returns_every_outcome_and_raises_one_error_everywhere() -> None:
         assert res["group_backend"] == "gloo"
 
 
+def _decide_cases(rank: int, world: int) -> dict:
+    out: dict = {}
+    seen: list[list] = []
+
+    def act(payloads: list) -> list:
+        seen.append(payloads)
+        return [f"part {r} of {sum(payloads)}" for r in range(len(payloads))]
+
+    # Success: the coordinator (rank 1) alone acts on every payload; each rank its part.
+    out["scattered"] = _dist.decide("plan", None, rank + 1, act, coordinator=1, scatter=True)
+    out["broadcast"] = _dist.decide("sum", None, rank, sum, coordinator=2)
+    # A rank's error: nobody acts, every rank raises the same error naming it.
+    error = ConfigurationError("bad input on rank 0") if rank == 0 else None
+    try:
+        _dist.decide("commit", error, rank, act, coordinator=1)
+    except CheckpointingException as exc:
+        out["rank_failed"] = (type(exc).__name__, list(exc.failed_ranks), str(exc))
+
+    # The act's error is the coordinator's failure, on every rank.
+    def failing(payloads: list) -> None:
+        raise OSError(28, "No space left on device")
+
+    try:
+        _dist.decide("commit", None, rank, failing, coordinator=2)
+    except CheckpointingException as exc:
+        out["act_failed"] = (type(exc).__name__, list(exc.failed_ranks), str(exc))
+    # On a caller's group (ranks 1 and 2; its rank 1 is global rank 2) only its ranks take part.
+    sub = dist.new_group([1, 2], backend="gloo")
+    if rank in (1, 2):
+        out["sub"] = _dist.decide("sub", None, rank, act, coordinator=1, scatter=True, group=sub)
+    out["acts"] = len(seen)
+    out["after"] = [o.ints for o in _dist.agree("after", None, ints=(rank,))]
+    return out
+
+
+def test_decide_gathers_on_the_coordinator_and_raises_one_error_everywhere() -> None:
+    results = launch(_decide_cases, 3, timeout=100)
+    for rank, res in enumerate(results):
+        assert res["scattered"] == f"part {rank} of 6"
+        assert res["broadcast"] == 3
+        kind, ranks, message = res["rank_failed"]
+        assert kind == "RankConfigurationError" and ranks == [0]
+        assert "commit failed on rank(s) [0]: ConfigurationError: bad input on rank 0" in message
+        kind, ranks, message = res["act_failed"]
+        assert kind == "RankStorageError" and ranks == [2]
+        assert "No space left on device" in message
+        assert res["after"] == [(0,), (1,), (2,)]
+    assert results[0]["acts"] == 0 and results[1]["acts"] == 1 and results[2]["acts"] == 1
+    assert results[1]["sub"] == "part 0 of 3" and results[2]["sub"] == "part 1 of 3"
+    assert "sub" not in results[0]
+
+
+def test_decide_alone_acts_here() -> None:
+    assert _dist.decide("one", None, 5, lambda ps: ps[0] * 2, local_only=True) == 10
+    assert _dist.decide("one", None, 5, lambda ps: [ps[0]], scatter=True, local_only=True) == 5
+    with pytest.raises(RankConfigurationError, match=r"one failed on rank\(s\) \[0\]"):
+        _dist.decide("one", ConfigurationError("bad"), None, lambda ps: None, local_only=True)
+    with pytest.raises(StorageError) as info:
+        _dist.decide("one", None, 5, lambda ps: open("/nonexistent/x"), local_only=True)
+    assert isinstance(info.value.failures[0][0], FileNotFoundError)  # the act's own error
+
+
 def test_error_family_single_process() -> None:
     assert issubclass(RankFailureError, CheckpointingException)
     assert issubclass(RankFailureError, CheckpointException)

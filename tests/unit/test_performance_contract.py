@@ -438,18 +438,19 @@ class _CountingPlanner(DefaultSavePlanner):
 
 
 def _count_planning_collectives() -> collections.Counter:
-    """Wrap the object collectives torch's planning runs; returns the live counter."""
-    from torch.distributed.checkpoint.utils import _DistWrapper
+    """Count the planning's agreements with the coordinator (``_dist.decide``: the global
+    plan, the decentralized metadata); returns the live counter."""
+    from resilient_ckpt import _dist
 
     counts: collections.Counter = collections.Counter()
-    for name in ("reduce_scatter", "gather_object", "all_gather_object", "scatter_object"):
-        original = getattr(_DistWrapper, name)
+    original = _dist.decide
 
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            counts[_name] += 1
-            return _original(self, *args, **kwargs)
+    def counted(what, *args, **kwargs):
+        if what.startswith("DCP save planning"):
+            counts[what] += 1
+        return original(what, *args, **kwargs)
 
-        setattr(_DistWrapper, name, counted)
+    _dist.decide = counted  # type: ignore[assignment]
     return counts
 
 

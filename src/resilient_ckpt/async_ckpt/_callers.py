@@ -37,7 +37,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 import torch
@@ -57,7 +57,7 @@ from ..errors import (
     WorkerDiedError,
 )
 from . import _reports
-from ._protocol import RemoteFailure, Report, receive_available
+from ._protocol import RemoteFailure, Report
 from ._staging import PlanStep
 from ._worker import arm_parent_death_signal
 
@@ -265,6 +265,10 @@ class AsyncCaller(ABC):
 
     @abstractmethod
     def close(self, abort: bool = False) -> list[int]: ...
+
+    def reports_of(self, call_idx: int) -> _reports.Reports | None:
+        """Where the reports of ``call_idx`` arrive (None: it posts none here)."""
+        return None
 
     def forget(self, call_idx: int) -> None:
         """The queue finalized (or gave up on) ``call_idx``."""
@@ -474,9 +478,11 @@ def _failure_of(status: LocalStatus, call_idx: int) -> BaseException | None:
     )
 
 
-def _fork_entry(conn: Connection, parent_pid: int, async_fn: Any, args: list, kwargs: dict) -> None:
+def _fork_entry(
+    conn: Connection, parent_pid: int, call_idx: int, async_fn: Any, args: list, kwargs: dict
+) -> None:
     arm_parent_death_signal(parent_pid)
-    _reports.set_sink(lambda key, value: conn.send(Report(key, value)))
+    _reports.set_sink(lambda key, value: conn.send(Report(call_idx, key, value)))
     try:
         async_fn(*args, **kwargs)
     except BaseException as exc:
@@ -487,17 +493,35 @@ def _fork_entry(conn: Connection, parent_pid: int, async_fn: Any, args: list, kw
     os._exit(0)
 
 
+def _read_child(conn: Connection, mailbox: _reports.Mailbox, call_idx: int) -> None:
+    """The receiver thread: file what the child sends (its reports, its failure) until the
+    pipe closes."""
+    try:
+        while True:
+            message = conn.recv()
+            if isinstance(message, Report):
+                mailbox.report(call_idx, message.key, message.value)
+            elif isinstance(message, RemoteFailure):
+                mailbox.outcome(call_idx, message)
+    except (EOFError, OSError):
+        pass
+    except Exception as exc:  # a report the trainer cannot unpickle
+        logger.error("could not read the forked checkpoint process's pipe: %r", exc)
+    finally:
+        conn.close()
+        mailbox.close()
+
+
 class TemporalAsyncCaller(AsyncCaller):
     """Forks one child process per request (NVRx's original, deprecated caller)."""
 
     def __init__(self, timeouts: Timeouts | None = None) -> None:
         super().__init__(timeouts)
         self.process: Any = None
-        self._conn: Connection | None = None
         self._call_idx: int | None = None
         self._status: LocalStatus | None = None
-        self._failure: RemoteFailure | None = None
-        self._recv_lock = threading.Lock()
+        self._mailbox = _reports.Mailbox()
+        self._receiver: threading.Thread | None = None
         self.preloaded_holder: Any = None
         # What the child reads (function, arguments): kept until the child has finished,
         # since the queue drops its own references at scheduling (pinned host memory freed
@@ -510,6 +534,7 @@ class TemporalAsyncCaller(AsyncCaller):
         self._unfinalized.append(async_req.call_idx)
         if async_req.async_fn is None:
             self._status = LocalStatus(State.DONE)
+            self._mailbox.close()
             return
         args = list(async_req.async_fn_args)
         if async_req.preload_fn is not None:
@@ -523,39 +548,30 @@ class TemporalAsyncCaller(AsyncCaller):
         self._execution = (async_req.async_fn, args, dict(async_req.async_fn_kwargs or {}))
         self.process = ctx.Process(
             target=_fork_entry,
-            args=(writer, os.getpid(), *self._execution),
+            args=(writer, os.getpid(), async_req.call_idx, *self._execution),
             name=f"resilient_ckpt-fork-{self.rank}-{async_req.call_idx}",
         )
         self.process.start()
         writer.close()
-        self._conn = reader
-        self._failure = None
-        _reports.register_pump(self)
+        self._receiver = threading.Thread(
+            target=_read_child,
+            args=(reader, self._mailbox, async_req.call_idx),
+            name=f"resilient_ckpt-fork-receiver-{self.rank}-{async_req.call_idx}",
+            daemon=True,
+        )
+        self._receiver.start()
 
-    def pump_reports(self) -> None:
-        """Read what the child sent so far: reports into the inbox, its failure kept."""
-        with self._recv_lock:
-            conn = self._conn
-            if conn is None:
-                return
-            try:
-                receive_available(conn, self._keep_failure)
-            except (EOFError, OSError):
-                conn.close()
-                self._conn = None
-
-    def _keep_failure(self, message: Any) -> None:
-        if isinstance(message, RemoteFailure):
-            self._failure = message
+    def reports_of(self, call_idx: int) -> _reports.Reports:
+        return self._mailbox.reports_of(call_idx)
 
     def _settle(self) -> None:
+        """Settle the call once the child has exited and its pipe has been read to the end."""
         if self._status is not None or self.process is None:
             return
-        self.pump_reports()
-        if self.process.exitcode is None:
+        if not self._mailbox.closed or self.process.exitcode is None:
             return
-        self.pump_reports()  # what it sent just before it exited
-        failure = self._failure
+        outcomes, _ = self._mailbox.take_outcomes()
+        failure = outcomes[-1] if outcomes else None
         code = self.process.exitcode
         self.process.join()
         rank = self.rank if self.rank is not None else 0
@@ -592,11 +608,8 @@ class TemporalAsyncCaller(AsyncCaller):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            conn = self._conn
-            wait(
-                [self.process.sentinel] if conn is None else [self.process.sentinel, conn],
-                remaining,
-            )
+            if self._mailbox.wait_closed(remaining):  # the child is exiting or gone
+                self.process.join(max(0.0, deadline - time.monotonic()))
             self._settle()
         return self.local_status(call_idx)
 
@@ -616,10 +629,10 @@ class TemporalAsyncCaller(AsyncCaller):
                 )
                 self.process.kill()
                 self.process.join(self.timeouts.shutdown)
-        with self._recv_lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            # The child is gone: its end of the pipe closed, so the thread reads EOF.
+            receiver.join(self.timeouts.shutdown)
         if self.process is None or self.process.exitcode is not None:
             self.preloaded_holder = None
             self._execution = None

@@ -19,7 +19,9 @@ process (persistent worker, forked child, or the trainer itself for ``execute_sy
   lanes are forked processes.
 * **The outcome is a report, not a file** (:mod:`._reports` says why), keyed by the job's
   token so a report of another save cannot be taken for this one. It is sent as soon as the
-  files are written, before the call ends (the tiered manager's memory tier uses it early). A
+  files are written, before the call ends (the tiered manager's memory tier uses it early).
+  Written in the trainer itself, the report goes into the job's own :class:`._reports.Reports`;
+  from a background process, into its call's, on the caller that ran it. A
   write failure is recorded in the report rather than raised, so finalize still runs on
   every rank and reports it everywhere.
 """
@@ -85,6 +87,8 @@ class WriteJob:
     # (``read_items`` of the readers' module); off by default, so files stay byte-identical
     # to torch's writer.
     align_items: bool = False
+    # Where the report lands when the job runs in the trainer (it arrives empty elsewhere).
+    reports: _reports.Reports = field(default_factory=_reports.Reports, compare=False, repr=False)
 
     def backend(self) -> StorageBackend:
         return get_backend(self.checkpoint_dir, use_msc=self.use_msc, retry=self.retry)
@@ -434,7 +438,7 @@ def run_write_job(
         logger.error("writing checkpoint files in %s failed: %r", job.checkpoint_dir, exc)
     report.seconds = time.perf_counter() - started
     try:
-        _reports.post(job.token, report)
+        _reports.post(job.reports, job.token, report)
     except Exception as exc:
         raise CheckpointWriteError(
             f"rank {job.rank}: could not send the write results of {job.checkpoint_dir!r} "
@@ -454,13 +458,16 @@ def run_write_job(
 
 
 def take_report(
-    job: WriteJob, *, timeout: float = 0.0, ended: Callable[[], bool] | None = None
+    job: WriteJob, *, reports: _reports.Reports | None = None, timeout: float = 0.0
 ) -> RankWriteReport:
-    """This rank's write report (trainer side), waiting up to ``timeout`` while the call runs
-    (``ended``: whether it is over); named errors when it did not report.
+    """This rank's write report (trainer side): the one the job got in the trainer, else the
+    one in ``reports`` (its call's; default: the call being finalized), waiting up to
+    ``timeout`` while the call runs; named errors when it did not report.
     """
     what = f"the background write to {job.checkpoint_dir!r}"
-    report = _reports.take(job.token, rank=job.rank, what=what, timeout=timeout, ended=ended)
+    report = _reports.take(
+        job.token, rank=job.rank, what=what, local=job.reports, call=reports, timeout=timeout
+    )
     if not isinstance(report, RankWriteReport) or report.token != job.token:
         raise CheckpointWriteError(
             f"rank {job.rank}: {what} reported {type(report).__name__}, not this save's "

@@ -15,11 +15,14 @@ requests in flight.
   ``timeouts.worker_start``; one that exits first is reported with its exit code.
 * **Scheduling** stages the request into an arena (:mod:`._staging`), attaches the arena to
   the worker once, and sends a ``Submit``.
-* **Results** are drained without blocking; ``Report`` messages go to :mod:`._reports`'
-  inbox. A report may be awaited on another thread, so the caller is also a *pump* through
-  which that thread reads the channel, one reader at a time; a ``Result`` read there waits
-  for the trainer thread, which alone changes the caller's state.
-* **A dead worker** is noticed by its sentinel or by EOF on the connection and reaped: every
+* **Results and reports** come on the one channel, read by one receiver thread per worker
+  that blocks on it (and on the worker's sentinel) and files them in the caller's
+  :class:`~._reports.Mailbox`, under one condition: a ``Report`` into its call's
+  :class:`~._reports.Reports`, where a thread waiting for it wakes at once, a ``Result``
+  among the outcomes. The trainer thread alone applies the outcomes to the caller's state
+  (it waits on the same condition), so nothing else needs a lock.
+* **A dead worker** is noticed by the receiver (its sentinel, or EOF on the connection,
+  once everything it sent has been read) and reaped by the trainer thread: every
   call in flight fails with :class:`WorkerDiedError` naming the rank and exit code, its
   arenas are freed, and the next request starts a fresh worker.
 * **Shutdown escalates**: ``Shutdown`` after the queued requests (unless aborting), then
@@ -36,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -61,17 +64,38 @@ from ._protocol import (
     Channel,
     DetachArena,
     Hello,
+    Report,
     Result,
     Setup,
     Shutdown,
     Submit,
-    receive_available,
     widen_send_buffer,
 )
 from ._staging import PendingSnapshot, PlanStep, StagedRequest, prime, stage
 from ._structure import StageCache
 
 logger = get_logger(__name__)
+
+
+def _receive(channel: Channel, sentinel: int, mailbox: _reports.Mailbox, rank: int | None) -> None:
+    """The receiver thread: file every message of the worker in ``mailbox`` until the channel
+    closes or the worker exits (after everything it sent has been read)."""
+    try:
+        while channel.conn in wait([channel.conn, sentinel]):  # readable: a message or EOF
+            body = channel.recv()
+            if isinstance(body, Report):
+                mailbox.report(body.call_idx, body.key, body.value)
+            elif isinstance(body, Result):
+                mailbox.outcome(body.call_idx, body)
+            else:
+                logger.error("rank %s: the checkpoint worker sent %s", rank, type(body).__name__)
+                break
+    except (EOFError, OSError):
+        pass
+    except Exception as exc:  # a report the trainer cannot unpickle, a protocol error
+        logger.error("rank %s: lost the checkpoint worker's channel: %r", rank, exc)
+    finally:
+        mailbox.close()
 
 
 class WorkerProcess:
@@ -225,10 +249,8 @@ class PersistentAsyncCaller(AsyncCaller):
         self._start_deadline = 0.0
         self._ready = False
         self._inflight: OrderedDict[int, int | None] = OrderedDict()
-        # One reader of the channel at a time; Results read but not yet applied.
-        self._recv_lock = threading.Lock()
-        self._arrived: deque[Result] = deque()
-        _reports.register_pump(self)
+        self._mailbox = _reports.Mailbox()
+        self._receiver: threading.Thread | None = None
         self._status: dict[int, LocalStatus] = {}
         self._attached: set[int] = set()
         self._pool = ArenaPool(max_staging_buffers)
@@ -291,6 +313,7 @@ class PersistentAsyncCaller(AsyncCaller):
             if isinstance(hello, Hello):
                 self._worker_pid = hello.pid
                 self._ready = True
+                self._start_receiver(channel, proc.sentinel)
                 logger.debug(
                     "worker pid %s ready after %.2fs",
                     hello.pid,
@@ -312,7 +335,8 @@ class PersistentAsyncCaller(AsyncCaller):
         )
 
     def _reap(self) -> None:
-        """Forget a dead (or killed) worker; fail its in-flight calls; free the arenas."""
+        """Forget a dead (or killed) worker; fail its in-flight calls (those whose result it
+        sent settle as sent); free the arenas."""
         proc = self.process
         if proc is None:
             return
@@ -321,6 +345,9 @@ class PersistentAsyncCaller(AsyncCaller):
             proc.kill()
             proc.join(self.timeouts.shutdown)
         code = proc.exitcode
+        self._stop_receiver()
+        for result in self._mailbox.take_outcomes()[0]:
+            self._on_result(result)
         for call_idx in list(self._inflight):
             if call_idx not in self._status:
                 self._status[call_idx] = LocalStatus(
@@ -336,11 +363,10 @@ class PersistentAsyncCaller(AsyncCaller):
         self._inflight.clear()
         self._pool.release_all()
         self._attached.clear()
-        with self._recv_lock:
-            if self._channel is not None:
-                self._channel.close()
-            self._channel = None
-            self._arrived.clear()
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._mailbox.close()
         proc.close()
         self.process = None
         self._ready = False
@@ -543,48 +569,41 @@ class PersistentAsyncCaller(AsyncCaller):
             self._status[result.call_idx] = LocalStatus(State.DONE, None, dict(result.timings))
         self.timings.setdefault(result.call_idx, {}).update(result.timings)
 
-    def _receive(self) -> bool:
-        """Read every arrived message (under ``_recv_lock``): reports into the inbox, results for
-        :meth:`_drain`. False once the channel is lost.
-        """
-        channel = self._channel
-        if channel is None or not self._ready:
-            return True
-        try:
-            receive_available(channel, self._keep_result)
-        except (EOFError, OSError):
-            return False
-        return True
+    def _start_receiver(self, channel: Channel, sentinel: int) -> None:
+        self._mailbox.reopen()
+        self._receiver = threading.Thread(
+            target=_receive,
+            args=(channel, sentinel, self._mailbox, self.rank),
+            name=f"resilient_ckpt-worker-receiver-{self.rank}",
+            daemon=True,
+        )
+        self._receiver.start()
 
-    def _keep_result(self, body: Any) -> None:
-        if isinstance(body, Result):
-            self._arrived.append(body)
+    def _stop_receiver(self) -> None:
+        """End the receiver thread (the worker is gone or going): it reads end-of-file."""
+        receiver, self._receiver = self._receiver, None
+        if receiver is None:
+            return
+        if self._channel is not None:
+            self._channel.shut()
+        receiver.join(self.timeouts.shutdown)
+        if receiver.is_alive():
+            logger.warning("the checkpoint worker's receiver thread did not end")
 
-    def pump_reports(self) -> None:
-        """Deliver the arrived reports (any thread; skipped while another thread reads the
-        channel).
-        """
-        if self._recv_lock.acquire(blocking=False):
-            try:
-                self._receive()
-            finally:
-                self._recv_lock.release()
+    def reports_of(self, call_idx: int) -> _reports.Reports:
+        return self._mailbox.reports_of(call_idx)
 
     def _drain(self) -> None:
-        """Read every message that has arrived; notice a dead worker."""
+        """Apply the results the receiver read; reap a dead worker."""
         self._settle_snapshot()
-        channel = self._channel
-        if channel is None or not self._ready:
+        if self._receiver is None:
             if self.process is not None and self.process.exitcode is not None:
                 self._reap()
             return
-        with self._recv_lock:
-            alive = self._receive()
-            arrived = list(self._arrived)
-            self._arrived.clear()
-        for result in arrived:
+        results, lost = self._mailbox.take_outcomes()
+        for result in results:
             self._on_result(result)
-        if not alive or (self.process is not None and self.process.exitcode is not None):
+        if lost:
             self._reap()
 
     def local_status(self, call_idx: int) -> LocalStatus:
@@ -603,13 +622,12 @@ class PersistentAsyncCaller(AsyncCaller):
             if not self._ready:
                 self._handshake()
                 continue
-            with self._recv_lock:  # no other reader between this look and the wait
-                if not self._arrived:
-                    wait([self._channel.conn, self.process.sentinel], remaining)
+            self._mailbox.wait(remaining)
 
     def forget(self, call_idx: int) -> None:
         super().forget(call_idx)
         self._status.pop(call_idx, None)
+        self._mailbox.forget(call_idx)
         if len(self.timings) > 256:
             for old in sorted(self.timings)[:-128]:
                 del self.timings[old]

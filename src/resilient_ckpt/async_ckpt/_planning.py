@@ -7,13 +7,15 @@ coordinator, finish), split so the saver (:mod:`.state_dict_saver`, which decide
 cache is valid) can skip the collective part when its cache is valid, or plan without a
 central step for planners that support it (Megatron's).
 
-**Agreement.** The saver's own small decisions (is the cached plan valid everywhere, did
-some rank fail to set up) are one ``all_gather`` of two integers per rank, on the library's
-gloo group (or the caller's group if it is gloo-capable), so they never touch CUDA and cost
-one round trip. If the caller's group has no CPU backend, object collectives on it are used.
-A rank that failed contributes a flag; every rank then raises ``RankFailureError`` (a torch
-``CheckpointException`` too) naming it, instead of some ranks waiting in a collective the
-failed rank never joins. The agreement itself is :func:`.._dist.agree`.
+**Agreement.** Every collective of the planning is one of :mod:`.._dist`'s agreements, on
+the library's gloo group (or the caller's sub-group: :func:`planning_ranks`), so none touches
+CUDA and a rank that failed takes part in the same collective as the others, instead of
+leaving them waiting in one it never joins. The saver's own small decisions (is the cached
+plan valid everywhere, did some rank fail) are one ``all_gather`` of a few integers per rank
+(:func:`.._dist.agree`); DCP's global plan is one gather of the local plans on the
+coordinator and one scatter of each rank's part (:func:`.._dist.decide`). Any rank's failure,
+or the coordinator's, raises ``RankFailureError`` (a torch ``CheckpointException`` too)
+naming it on every rank.
 
 **What a cached plan depends on.** A DCP save plan depends on the state's *structure*, never on
 its values, and on who plans (planner type and settings, writer type, world size, rank,
@@ -211,23 +213,11 @@ def agreement_group(dist_wrapper: _DistWrapper) -> Any:
     return None if group is None or group == dist.group.WORLD else group
 
 
-def every_rank_ok(
-    ok: bool, error: BaseException | None, dist_wrapper: _DistWrapper, step: str
-) -> bool:
-    """True iff ``ok`` on every planning rank; on any rank's ``error``, raise on every rank.
-
-    One tensor all-gather on a gloo group (an object all-gather if the caller's group has
-    no CPU backend); raises :class:`~resilient_ckpt.errors.RankFailureError` (a torch
-    ``CheckpointException`` too) naming the failed ranks.
-    """
-    outcomes = _dist.agree(
-        step,
-        error,
-        ints=(int(ok),),
-        group=agreement_group(dist_wrapper),
-        local_only=not dist_wrapper.use_dist or dist_wrapper.get_world_size() == 1,
-    )
-    return all(o.ints[0] for o in outcomes)
+def planning_ranks(dist_wrapper: _DistWrapper) -> dict[str, Any]:
+    """Where the planning ranks agree, as keyword arguments of :func:`.._dist.agree` and
+    :func:`.._dist.decide`: their group, and whether this rank plans alone."""
+    alone = not dist_wrapper.use_dist or dist_wrapper.get_world_size() == 1
+    return {"group": agreement_group(dist_wrapper), "local_only": alone}
 
 
 def plan_matches_loaded(
@@ -252,7 +242,10 @@ def verify_global_md_reuse(
     if not loaded_all_plans or len(loaded_all_plans) != dist_wrapper.get_world_size():
         return False
     ok = plan_matches_loaded(loaded_all_plans, local_plan, rank, dist_wrapper.get_world_size())
-    return every_rank_ok(ok, None, dist_wrapper, "verify_global_md_reuse")
+    outcomes = _dist.agree(
+        "verify_global_md_reuse", None, ints=(int(ok),), **planning_ranks(dist_wrapper)
+    )
+    return all(o.ints[0] for o in outcomes)
 
 
 def check_writer(storage_writer: Any) -> None:
@@ -330,6 +323,10 @@ class Planning:
         )
 
     def local_step(self) -> SavePlan:
+        """This rank's plan (its inputs checked first: a bad state dict or writer is a
+        failure of this step, which the planning's agreement carries to every rank)."""
+        check_state_dict(self.state_dict)
+        check_writer(self.writer)
         if not self.is_set_up:
             self.set_up()
         plan = self.planner.create_local_plan()
@@ -341,7 +338,20 @@ class Planning:
         return self.writer.prepare_global_plan(all_local_plans)
 
     def plan_centrally(self) -> SavePlan:
-        return self.dist_wrapper.reduce_scatter("plan", self.local_step, self.global_step)
+        """DCP's planning as one agreement: every rank's local plan to the coordinator, which
+        makes the global plan; each rank gets its own part. A failure of any rank's local
+        step, or of the coordinator's global step, raises on every rank."""
+        dw = self.dist_wrapper
+        local_plan, error = _local_attempt(self)
+        return _dist.decide(
+            "DCP save planning",
+            error,
+            local_plan,
+            self.global_step,
+            coordinator=dw.coordinator_rank,
+            scatter=True,
+            **planning_ranks(dw),
+        )
 
     def plan_decentralized(
         self, loaded: list[SavePlan] | None, loaded_metadata: Metadata | None
@@ -349,26 +359,45 @@ class Planning:
         """Local plans are gathered only to build the metadata (not at all when the metadata
         loaded from the previous checkpoint still fits); each rank finishes its own plan."""
         dw = self.dist_wrapper
-        matches, error = False, None
-        try:
-            mine = self.local_step()
-            matches = plan_matches_loaded(loaded, mine, dw.rank, dw.get_world_size())
-        except Exception as exc:
-            error = exc
-        reuse_loaded = every_rank_ok(
-            matches, error, dw, "DCP save planning (decentralized plan)"
-        ) and bool(loaded)
-        local_plan = cast(SavePlan, self.local_plan)  # set: every_rank_ok raised otherwise
+        matches = False
+        local_plan, error = _local_attempt(self)
+        if local_plan is not None:
+            matches = plan_matches_loaded(loaded, local_plan, dw.rank, dw.get_world_size())
+        outcomes = _dist.agree(
+            "DCP save planning (decentralized plan)",
+            error,
+            ints=(int(matches),),
+            **planning_ranks(dw),
+        )
+        reuse_loaded = all(o.ints[0] for o in outcomes) and bool(loaded)
+        local_plan = cast(SavePlan, local_plan)  # set: the agreement raised otherwise
         if reuse_loaded and dw.is_coordinator:
             self.global_metadata = loaded_metadata
         elif not reuse_loaded:
-            all_local_plans = dw.gather_object(local_plan)
-            if dw.is_coordinator and all_local_plans is not None:
-                _, metadata = self.planner.create_global_plan(all_local_plans)
-                metadata.all_local_plans = all_local_plans  # type: ignore[attr-defined]
-                self.global_metadata = metadata
+            _dist.decide(
+                "DCP save planning (global metadata)",
+                None,
+                local_plan,
+                self._metadata_of,
+                coordinator=dw.coordinator_rank,
+                **planning_ranks(dw),
+            )
         plan = self.planner.create_decentralized_global_plan(local_plan)  # type: ignore[attr-defined]
         return self.writer.prepare_decentralized_global_plan(plan), reuse_loaded
+
+    def _metadata_of(self, all_local_plans: list[SavePlan]) -> None:
+        """The coordinator's metadata of a decentralized save, from every rank's local plan."""
+        _, metadata = self.planner.create_global_plan(all_local_plans)
+        metadata.all_local_plans = all_local_plans  # type: ignore[attr-defined]
+        self.global_metadata = metadata
+
+
+def _local_attempt(planning: Planning) -> tuple[SavePlan | None, Exception | None]:
+    """This rank's local plan, or the exception that keeps it from one."""
+    try:
+        return planning.local_step(), None
+    except Exception as exc:
+        return None, exc
 
 
 def is_decentralized(planner: Any, writer: Any) -> bool:
@@ -406,7 +435,6 @@ def cached_plan(
     record matched prepares before the agreement; when another rank's did not, the
     preparation is redone after the full planning.
     """
-    dw = planning.dist_wrapper
     structure: Structure | None = None
     key: tuple | None = None
     record: PlanRecord | None = None
@@ -429,8 +457,7 @@ def cached_plan(
         "DCP save planning (plan cache check)",
         error,
         ints=(record is not None, record.generation if record is not None else -1),
-        group=agreement_group(dw),
-        local_only=not dw.use_dist or dw.get_world_size() == 1,
+        **planning_ranks(planning.dist_wrapper),
     )
     if not all(o.ints[0] for o in outcomes) or len({o.ints[1] for o in outcomes}) != 1:
         if record is not None and record.fqns is not None:

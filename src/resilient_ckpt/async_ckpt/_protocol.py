@@ -11,6 +11,10 @@ travel on.
   both import this module, which imports neither.
 
 The two ends: :mod:`._persistent` (the trainer) and :mod:`._worker` (the worker process).
+Each side reads the connection on one receiver thread that blocks on it; on the trainer's
+side a request's ``Report`` messages and its ``Result`` go to the caller's mailbox
+(:mod:`._reports`) in the order they were sent, so the result of a request is read after
+all of its reports.
 
 Conversation::
 
@@ -19,7 +23,7 @@ Conversation::
     worker  -> trainer   Hello            once, after start-up (the handshake)
     trainer -> worker    AttachArena+fd   once per staging arena the worker has not seen
     trainer -> worker    Submit           one per request, in call order
-    worker  -> trainer   Report           any number, while a request runs
+    worker  -> trainer   Report           any number, while a request runs (naming it)
     worker  -> trainer   Result           one per Submit, in the same order
     trainer -> worker    DetachArena      when the trainer frees an arena
     trainer -> worker    Shutdown         orderly exit after the queued requests
@@ -34,14 +38,12 @@ import os
 import socket
 import threading
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
 
 from .._logging import get_logger
 from ..errors import CheckpointingException
-from . import _reports
 from ._main_module import MainModule
 
 logger = get_logger(__name__)
@@ -164,6 +166,7 @@ class Report:
     """A value the running request posted for the trainer (:func:`._reports.post`)."""
 
     KIND: ClassVar[Kind] = Kind.REPORT
+    call_idx: int
     key: str
     value: Any
 
@@ -183,19 +186,6 @@ class ProtocolError(CheckpointingException):
 # A request's payload for thousands of tensors can exceed the socket's default send buffer;
 # the send would then wait for the worker to be scheduled and drain it.
 _SEND_BUFFER = 4 << 20
-
-
-def receive_available(conn: Any, other: Callable[[Any], None]) -> None:
-    """Read, without blocking, every message that has arrived on ``conn``: reports into the
-    trainer's inbox (:mod:`._reports`), any other message to ``other``. Raises
-    ``EOFError``/``OSError`` once the connection is lost.
-    """
-    while conn.poll(0):
-        message = conn.recv()
-        if isinstance(message, Report):
-            _reports.deliver(message.key, message.value)
-        else:
-            other(message)
 
 
 def widen_send_buffer(conn: Connection) -> None:
@@ -240,8 +230,19 @@ class Channel:
 
         return recv_handle(self.conn)
 
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.conn.poll(timeout)
+    def shut(self) -> None:
+        """Wake a thread blocked reading this end: it reads end-of-file (the connection is a
+        socket; shutting it down reaches every descriptor of it)."""
+        try:
+            sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+        except OSError:
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
     def close(self) -> None:
         try:

@@ -11,7 +11,8 @@ handshake and reaping (and why not ``spawn``); the messages between them are
 * **Requests run in order, on the main thread.** A receiver thread reads messages (so the
   trainer's sends never block) and the main thread runs requests one at a time: unstage,
   ``preload_fn`` (its result replaces ``async_fn_args[1]``, as in NVRx), ``async_fn``, then a
-  ``Result``. A running request may send ``Report`` values (:mod:`._reports`).
+  ``Result``. A running request may send ``Report`` values (:mod:`._reports`), each naming
+  the request, on the same channel and before its ``Result``.
 * **The trainer decides when the worker stops**: on ``Shutdown`` (after queued requests),
   connection close, or parent death. SIGINT is ignored: a Ctrl-C aimed at the trainer must
   not tear a write.
@@ -213,7 +214,8 @@ def main(conn: Connection) -> None:
     set_qos(setup.cpu_priority, setup.io_priority)
 
     widen_send_buffer(conn)  # a report (a rank's write results) is sent while writing
-    _reports.set_sink(lambda key, value: channel.send(Report(key, value)))
+    running: list[int] = [-1]  # the request being run: its reports name it
+    _reports.set_sink(lambda key, value: channel.send(Report(running[0], key, value)))
     arenas: dict[int, Any] = {}
     work: queue.Queue = queue.Queue()
     channel.send(Hello(os.getpid()))
@@ -225,7 +227,7 @@ def main(conn: Connection) -> None:
     )
     receiver.start()
     gc.freeze()  # what start-up imported lives as long as the worker: never scan it
-    _serve(channel, arenas, work)
+    _serve(channel, arenas, work, running)
     _telemetry.shutdown_worker()
     channel.close()
 
@@ -249,8 +251,9 @@ def _apply(setup: Setup) -> None:
         package_logger.addHandler(handler)
 
 
-def _serve(channel: Channel, arenas: dict[int, Any], work: queue.Queue) -> None:
-    """The main thread: run the requests in order until ``Shutdown``."""
+def _serve(channel: Channel, arenas: dict[int, Any], work: queue.Queue, running: list[int]) -> None:
+    """The main thread: run the requests in order until ``Shutdown`` (``running[0]``: the
+    request being run)."""
     while True:
         item = work.get()
         if item is _STOP:
@@ -260,6 +263,7 @@ def _serve(channel: Channel, arenas: dict[int, Any], work: queue.Queue) -> None:
             if arena is not None:
                 arena.close()
             continue
+        running[0] = item.call_idx
         with _telemetry.worker_request(item.call_idx, item.traceparent) as span:
             result = _execute(item, arenas)
             if result.failure is not None:

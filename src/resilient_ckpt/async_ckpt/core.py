@@ -32,6 +32,7 @@ from .. import _telemetry
 from .._logging import get_logger
 from ..config import Timeouts, WorkerOptions, default_timeouts
 from ..errors import QueueClosedError
+from . import _reports
 from ._callers import (
     AsyncCaller,
     AsyncRequest,
@@ -44,6 +45,7 @@ from ._callers import (
 )
 from ._copy import check_copy_threads
 from ._persistent import PersistentAsyncCaller
+from ._reports import Reports
 
 logger = get_logger(__name__)
 
@@ -278,9 +280,10 @@ class AsyncCallsQueue:
             if not done:
                 break
             self.async_calls.popleft()
+            reports = caller.reports_of(idx)
             caller.forget(idx)
             started = time.perf_counter()
-            with _telemetry.finalizing(caller, idx):
+            with _telemetry.finalizing(caller, idx), _reports.finalizing(reports):
                 for finalize_fn in request.finalize_fns:
                     finalize_fn()
             stats = self.timings.setdefault(idx, {})
@@ -299,6 +302,14 @@ class AsyncCallsQueue:
             for old in sorted(self.timings)[:-128]:
                 del self.timings[old]
         return finalized
+
+    def reports_of(self, call_idx: int) -> Reports | None:
+        """Where the reports of the queued call ``call_idx`` arrive, to wait for one while
+        it runs (None: not queued, or it posts none)."""
+        for active in self.async_calls:
+            if active.idx == call_idx:
+                return active.async_caller.reports_of(call_idx)
+        return None
 
     def get_num_unfinalized_calls(self) -> int:
         return len(self.async_calls)

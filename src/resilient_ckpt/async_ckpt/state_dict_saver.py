@@ -11,11 +11,15 @@ cached (``enable_cache=True``) and, unlike NVRx, revalidated on every save with 
 collective (:mod:`._planning`): a change on any rank makes every rank re-plan, and a set-up
 failure on any rank fails every rank instead of leaving the others in a collective.
 
-Finalize uses torch's ``_DistWrapper.all_reduce``: outcomes are gathered on the coordinator;
-if any rank failed, every rank raises :class:`~resilient_ckpt.errors.RankFailureError` (a
-``torch.distributed.checkpoint.CheckpointException`` too) naming the failed rank(s) and
-nothing is committed; otherwise the coordinator writes the
-commit record and its success or failure is broadcast, so every rank learns the outcome.
+Planning and finalize are each one agreement with a coordinator that acts
+(:func:`.._dist.decide`, on the library's gloo group or the caller's sub-group): the local
+plans are gathered on the coordinator, which makes the global plan and scatters each rank its
+part; at finalize the write outcomes are gathered on the coordinator, which commits if no
+rank failed. If any rank failed (or the coordinator's own step did), every rank raises
+:class:`~resilient_ckpt.errors.RankFailureError` (a
+``torch.distributed.checkpoint.CheckpointException`` too) naming the failed rank(s), and
+nothing is committed. torch's ``_DistWrapper`` is still what the plan hands out (NVRx's
+contract); here it only says which group, rank and coordinator.
 
 Publishing a prepared ``.metadata`` instead of rebuilding it (NVRx's metadata reuse). A job
 whose checkpoint structure does not change can keep the complete metadata of one save
@@ -43,12 +47,10 @@ import pickle
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -57,8 +59,13 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import _dist, _telemetry
 from .._logging import get_logger
-from .._rank_errors import RankFailureError, from_checkpoint_exception, is_wrapped_failure
-from ..errors import CheckpointingException, ConfigurationError, InvalidRequestError
+from .._rank_errors import is_wrapped_failure
+from ..errors import (
+    CheckpointingException,
+    ConfigurationError,
+    InvalidRequestError,
+    RemoteTraceback,
+)
 from ..storage.commit import write_atomically
 from ._dcp_write import decode_results
 from ._planning import (
@@ -67,15 +74,13 @@ from ._planning import (
     PlanRecord,
     accepts,
     cached_plan,
-    check_state_dict,
-    check_writer,
-    every_rank_ok,
     is_decentralized,
+    planning_ranks,
     structure_key,
     verify_global_md_reuse,
 )
 from ._structure import Structure
-from .filesystem_async import FileSystemWriterAsync, _wrap_exception_for_gather
+from .filesystem_async import FileSystemWriterAsync
 
 logger = get_logger(__name__)
 
@@ -150,31 +155,6 @@ def _resolve_cache(
     return _checkpoint_metadata_cache
 
 
-def _check_inputs(
-    state_dict: Any, storage_writer: Any, on_every_rank: bool, group: Any = None
-) -> None:
-    """Refuse a bad state dict or writer on every rank if it is bad on any.
-
-    A rank that raised alone would leave its peers in the planning collectives until the
-    collective deadline, reporting a timeout instead of the cause. The agreement runs on
-    the default group, so only when the save does (a sub-group's save checks locally).
-    """
-
-    def check() -> None:
-        check_state_dict(state_dict)
-        check_writer(storage_writer)
-
-    if not on_every_rank:
-        check()
-        return
-    error: Exception | None = None
-    try:
-        check()
-    except Exception as exc:
-        error = exc
-    _dist.agree("DCP save planning", error, group=group)
-
-
 def save_state_dict_async_plan(
     state_dict: STATE_DICT_TYPE,
     storage_writer: Any,
@@ -242,8 +222,7 @@ def _plan_save(
             )
         if _can_defer(cache, storage_writer, planner, process_group):
             return _defer(state_dict, storage_writer, planner, dist_wrapper, cache)
-    everywhere = use_dist and process_group is None
-    metadata = _plan(state_dict, storage_writer, planner, dist_wrapper, cache, everywhere, None)
+    metadata = _plan(state_dict, storage_writer, planner, dist_wrapper, cache)
     return storage_writer, metadata, dist_wrapper
 
 
@@ -253,8 +232,6 @@ def _plan(
     planner: SavePlanner,
     dist_wrapper: _DistWrapper,
     cache: CheckpointMetadataCache | None,
-    check_everywhere: bool,
-    check_group: Any,
 ) -> Metadata | None:
     """Plan the save on ``dist_wrapper``'s group and prepare the writer; the coordinator's
     metadata of this save."""
@@ -278,14 +255,12 @@ def _plan(
         structure, key = structure_key(planning)
     hit = central_plan is not None
     if central_plan is None:
-        _check_inputs(state_dict, storage_writer, check_everywhere, check_group)
-        with _as_rank_failure("DCP save planning"):
-            if is_decentralized(planner, storage_writer):
-                loaded = cache.loaded_all_plans if cache is not None else None
-                loaded_md = cache.cached_global_metadata if cache is not None else None
-                central_plan, reused_loaded = planning.plan_decentralized(loaded, loaded_md)
-            else:
-                central_plan = planning.plan_centrally()
+        if is_decentralized(planner, storage_writer):
+            loaded = cache.loaded_all_plans if cache is not None else None
+            loaded_md = cache.cached_global_metadata if cache is not None else None
+            central_plan, reused_loaded = planning.plan_decentralized(loaded, loaded_md)
+        else:
+            central_plan = planning.plan_centrally()
         central_plan = _prepare_agreed(prepare, central_plan, dist_wrapper)
     global_metadata = _update_cache(
         cache, hit, structure, key, central_plan, planning, reused_loaded
@@ -312,7 +287,7 @@ def _prepare_agreed(
         central_plan = prepare(central_plan)
     except Exception as exc:
         error = exc
-    every_rank_ok(error is None, error, dist_wrapper, "DCP save planning (preparing the write)")
+    _dist.agree("DCP save planning (preparing the write)", error, **planning_ranks(dist_wrapper))
     return central_plan
 
 
@@ -348,7 +323,7 @@ def _defer(
     def plan() -> None:
         background = _DistWrapper(group, use_dist, dist_wrapper.coordinator_rank)
         try:
-            planned = _plan(state_dict, writer, planner, background, cache, several, group)
+            planned = _plan(state_dict, writer, planner, background, cache)
         except BaseException as exc:
             metadata.set_exception(exc)
             raise
@@ -403,19 +378,6 @@ def _update_cache(
         )
         metadata = planning.global_metadata
     return copy.copy(metadata) if metadata is not None else None
-
-
-@contextmanager
-def _as_rank_failure(what: str) -> Iterator[None]:
-    """torch's own collectives (``_DistWrapper``: on the coordinator, over the caller's
-    group) raise torch's ``CheckpointException``, a ``BaseException``: raise ours instead,
-    which is still one, and also a ``CheckpointingException``."""
-    try:
-        yield
-    except RankFailureError:
-        raise
-    except CheckpointException as exc:
-        raise from_checkpoint_exception(what, exc) from exc
 
 
 # -- finalize -------------------------------------------------------------------------------
@@ -490,13 +452,22 @@ def _stale_error(rank: int, mismatch: tuple[str, str]) -> StaleMetadataError:
 
 
 def _share_created_metadata(writer: Any, dist_wrapper: _DistWrapper, path: str) -> Metadata:
-    """After a full finalize: the complete metadata, read back by the coordinator, given
-    to every rank, and stored at ``path`` (atomically) for later jobs."""
-    metadata = writer.read_metadata() if dist_wrapper.is_coordinator else None
-    metadata = dist_wrapper.broadcast_object(metadata)
-    if dist_wrapper.is_coordinator:
+    """After a full finalize: the complete metadata, read back by the coordinator, stored at
+    ``path`` (atomically) for later jobs and given to every rank."""
+
+    def read_and_store(_: list[None]) -> Metadata:
+        metadata = writer.read_metadata()
         write_atomically(path, lambda f: pickle.dump(metadata, f))
-    return metadata
+        return metadata
+
+    return _dist.decide(
+        "storing the created metadata",
+        None,
+        None,
+        read_and_store,
+        coordinator=dist_wrapper.coordinator_rank,
+        **planning_ranks(dist_wrapper),
+    )
 
 
 @dataclass
@@ -538,29 +509,6 @@ def save_state_dict_async_finalize(
     _check_reuse_arguments(reuse_metadata_obj, create_metadata_path)
     started = time.perf_counter()
 
-    def collect() -> Any:
-        # A failure travels as a pickle-safe wrapped exception (an unpicklable one would
-        # break the gather on this rank and leave the others waiting in it). NVRx-style
-        # writers may also return the wrapped failure instead of raising it.
-        compact = _compact_results(storage_writer)
-        try:
-            results = compact() if compact is not None else storage_writer.retrieve_write_results()
-        except Exception as exc:
-            return _wrap_exception_for_gather(exc)
-        if is_wrapped_failure(results):
-            return results
-        checksums = dict(getattr(storage_writer, "written_files", {}) or {})
-        if compact is not None:
-            outcome = _RankOutcome(checksums, rows=results)
-        else:
-            outcome = _RankOutcome(checksums, write_results=results)
-        if reuse_metadata_obj is None:
-            return outcome
-        mismatch = find_layout_mismatch(outcome.decoded(), reuse_metadata_obj)
-        if mismatch is not None:
-            return _wrap_exception_for_gather(_stale_error(dist_wrapper.get_rank(), mismatch))
-        return _RankOutcome(checksums)  # the prepared metadata already locates them
-
     def commit(outcomes: list[_RankOutcome]) -> None:
         if reuse_metadata_obj is None:
             _commit(storage_writer, global_metadata, outcomes)
@@ -570,16 +518,57 @@ def save_state_dict_async_finalize(
             checksums.update(outcome.file_checksums)
         storage_writer.publish_metadata(copy.copy(reuse_metadata_obj), checksums or None)
 
-    with (
-        _telemetry.span(_telemetry.COMMIT_SPAN),
-        _as_rank_failure("DCP save (write and commit)"),
-        collector_paused(),
-    ):
-        dist_wrapper.all_reduce("write", collect, commit)
+    with _telemetry.span(_telemetry.COMMIT_SPAN), collector_paused():
+        outcome, error = _rank_outcome(storage_writer, reuse_metadata_obj, dist_wrapper.rank)
+        _dist.decide(
+            "DCP save (write and commit)",
+            error,
+            outcome,
+            commit,
+            coordinator=dist_wrapper.coordinator_rank,
+            **planning_ranks(dist_wrapper),
+        )
     logger.info("finalized checkpoint save in %.4fs", time.perf_counter() - started)
     if create_metadata_path is not None:
         return _share_created_metadata(storage_writer, dist_wrapper, create_metadata_path)
     return None
+
+
+def _rank_outcome(
+    writer: Any, reuse_metadata_obj: Metadata | None, rank: int
+) -> tuple[_RankOutcome | None, Exception | None]:
+    """What this rank gives the commit, or why it cannot: its write failed (raised, or an
+    NVRx-style writer's returned failure pair), or its writes do not land where the
+    prepared metadata says."""
+    compact = _compact_results(writer)
+    try:
+        results = compact() if compact is not None else writer.retrieve_write_results()
+    except Exception as exc:
+        return None, exc
+    if is_wrapped_failure(results):
+        return None, _returned_failure(results)
+    checksums = dict(getattr(writer, "written_files", {}) or {})
+    if compact is not None:
+        outcome = _RankOutcome(checksums, rows=results)
+    else:
+        outcome = _RankOutcome(checksums, write_results=results)
+    if reuse_metadata_obj is None:
+        return outcome, None
+    mismatch = find_layout_mismatch(outcome.decoded(), reuse_metadata_obj)
+    if mismatch is not None:
+        return None, _stale_error(rank, mismatch)
+    return _RankOutcome(checksums), None  # the prepared metadata already locates them
+
+
+def _returned_failure(wrapped: tuple[BaseException, Any]) -> Exception:
+    """The exception of a returned ``(exception, stack summary)`` pair, with the stack as
+    its remote traceback when it carries none of its own."""
+    exc, stack = wrapped
+    if not isinstance(exc, Exception):
+        exc = CheckpointingException(f"{type(exc).__name__}: {exc}")
+    if exc.__traceback__ is None and exc.__cause__ is None:
+        exc.__cause__ = RemoteTraceback("".join(stack.format()))
+    return exc
 
 
 _find_layout_mismatch = find_layout_mismatch  # NVRx's name

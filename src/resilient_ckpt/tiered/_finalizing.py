@@ -71,18 +71,20 @@ class FinalizeSteps:
         return committed
 
     def _notice_finished_calls(self) -> None:
-        """Tell the replicator which worker calls ended (a memory write that left no report
-        is then a failure, not a wait until the deadline)."""
+        """Tell the replicator which worker calls ended without their outcome reaching the
+        call's reports (a call that failed before it reached the worker): a memory write
+        that left no report is then a failure, not a wait until the deadline."""
         active = {a.idx for a in self._queue.async_calls}
         caller = self._queue.persistent_caller
         for pending in self._pending:
-            if pending.memory.call_finished.is_set():
+            reports = pending.memory.reports
+            if reports is None or reports.ended:
                 continue
             finished = pending.call_idx not in active
             if not finished and caller is not None:
                 finished = caller.local_status(pending.call_idx).state != State.RUNNING
             if finished:
-                pending.memory.call_finished.set()
+                reports.end()
 
     def _collect_memory(self, blocking: bool, errors: list[BaseException]) -> list[int]:
         committed = []

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from .. import _checksum, _dist, _telemetry
 from .._logging import get_logger
 from ..async_ckpt._dcp_write import FileRecord, WriteJob, take_report
+from ..async_ckpt._reports import Reports
 from ..errors import (
     CheckpointingException,
     CheckpointTimeoutError,
@@ -70,7 +71,8 @@ class MemorySave:
     job: WriteJob | None  # None: this rank writes no data file
     metadata: Any  # the global Metadata (coordinator only)
     storage_meta: Any
-    call_finished: threading.Event = field(default_factory=threading.Event)
+    # Where the worker call's reports arrive (the queue's; ended once the call is over).
+    reports: Reports | None = None
     future: Future[None] = field(default_factory=Future)
     # The save's span (telemetry; None when not traced): the replication's is its child.
     span: Any = None
@@ -172,9 +174,7 @@ class Replicator:
         if save.job is None:
             return None, []
         try:
-            report = take_report(
-                save.job, timeout=self.report_timeout, ended=save.call_finished.is_set
-            )
+            report = take_report(save.job, reports=save.reports, timeout=self.report_timeout)
         except CheckpointWriteError as exc:
             return StorageError(f"memory tier of step {save.step}: {exc}"), []
         except CheckpointTimeoutError as exc:

@@ -304,7 +304,14 @@ class TieredCheckpointManager(FinalizeSteps, RestoreSteps):
         )
         call_idx = self._queue.schedule_async_request(request)
         staged = time.perf_counter()
-        memory = MemorySave(step, step_dir, memory_job, metadata, writer.storage_meta())
+        memory = MemorySave(
+            step,
+            step_dir,
+            memory_job,
+            metadata,
+            writer.storage_meta(),
+            reports=self._queue.reports_of(call_idx),
+        )
         memory.span = _telemetry.span_of(self._queue.persistent_caller, call_idx)
         self._replicator.submit(memory)
         self._pending.append(PendingSave(step, call_idx, memory, goes_durable))

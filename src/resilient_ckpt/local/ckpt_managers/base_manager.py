@@ -471,9 +471,9 @@ class BaseCheckpointManager(ABC):
         self._drop_cache()
         # Each rank's replication setup travels with its catalogue: cliques may differ in
         # size (NVRx allows any partition), and a rank's copies are checked against its own.
-        _, scans = _dist.run_agreed_gather(
+        scans = _dist.gather_agreed(
             "local checkpoint scan",
-            lambda: (None, (self._list_copies(set(self._inflight)), self._replication_params())),
+            lambda: (self._list_copies(set(self._inflight)), self._replication_params()),
         )
         catalogue = [scan[0] for scan in scans]
         self._catalogue = catalogue
@@ -566,8 +566,8 @@ class BaseCheckpointManager(ABC):
         forwarded = forwarding is not None and forwarding.mine is not None
         if use_replicas and not any(c.owner == me for c in first) and not forwarded:
             self._expect_transfer(iteration)
-        _, verified = _dist.run_agreed_gather(
-            "local checkpoint verification", lambda: (None, self._verify_all(first, forwarding))
+        verified = _dist.gather_agreed(
+            "local checkpoint verification", lambda: self._verify_all(first, forwarding)
         )
         owners_by_holder: list[list[int]] = [list(v) for v in verified]
         missing = [r for r in range(world) if not any(r in v for v in verified)]
@@ -581,9 +581,8 @@ class BaseCheckpointManager(ABC):
             for holder in range(world)
         ]
         if use_replicas and any(untried):
-            _, more = _dist.run_agreed_gather(
-                "local checkpoint replica verification",
-                lambda: (None, self._verify_all(untried[me])),
+            more = _dist.gather_agreed(
+                "local checkpoint replica verification", lambda: self._verify_all(untried[me])
             )
             for holder, owners in enumerate(more):
                 owners_by_holder[holder].extend(owners)
