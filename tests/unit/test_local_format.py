@@ -18,14 +18,13 @@ from resilient_ckpt.local import BasicTensorAwareStateDict, LocalCheckpointManag
 from resilient_ckpt.local._format import (
     ShardBuffer,
     ShardLayout,
-    align,
     deserialize,
     header_of,
-    plan_shard,
     read_verified,
     serialize,
     stream_to,
 )
+from resilient_ckpt.local._shard_cache import plan_shard
 from resilient_ckpt.utils import diff
 from tests import _helpers
 
@@ -216,13 +215,11 @@ def _spliced_layout(state: dict) -> ShardLayout:
     tree = hollow.state_dict
     optim = dict(tree["optim"], state=_PickledOnce(tree["optim"]["state"]))
     hollow.state_dict = dict(tree, model=_PickledOnce(tree["model"]), optim=optim)
-    body = pickle.dumps((hollow, _PickledOnce(list(layout.records))), pickle.HIGHEST_PROTOCOL)
+    _, records = pickle.loads(layout.header[len(header_of(b"")) :])
+    body = pickle.dumps((hollow, _PickledOnce(records)), pickle.HIGHEST_PROTOCOL)
     hollow.state_dict = tree
     hollow.insert_tensors(tensors)  # back into the state's dicts, popped in place
-    header = header_of(body)
-    start = align(len(header))
-    data_bytes = layout.size - layout.data_start
-    return ShardLayout(header, tensors, layout.records, start, start + data_bytes)
+    return ShardLayout(header_of(body), tensors, layout.offsets, layout.data_bytes)
 
 
 def test_a_header_with_spliced_parts_still_loads():

@@ -41,11 +41,12 @@ from resilient_ckpt.async_ckpt.state_dict_saver import (
 from resilient_ckpt.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 from resilient_ckpt.async_ckpt.warmup import warmup_async_save
 from resilient_ckpt.local import BasicTensorAwareStateDict
-from resilient_ckpt.local._format import plan_shard
-from resilient_ckpt.local._shard_cache import ShardPlanCache
+from resilient_ckpt.local._shard_cache import ShardPlanCache, plan_shard
 from resilient_ckpt.testing import launch
+from tests import _helpers
 from tests.unit import test_deferred_plan as deferred
 from tests.unit import test_shard_header_refresh as shards
+from tests.unit import test_shard_records as records
 from tests.unit import test_stage_cache as layouts
 from tests.unit import test_steady_state as steady
 
@@ -375,7 +376,7 @@ def test_consecutive_tensors_are_copied_as_few_ranges(threads: int) -> None:
 
 
 def _plan(cache: ShardPlanCache, state: dict) -> tuple[int, int, int]:
-    cache.plan(BasicTensorAwareStateDict(state), plan_shard)
+    plan_shard(BasicTensorAwareStateDict(state), cache)
     return cache.hits, cache.refreshes, cache.misses
 
 
@@ -422,6 +423,21 @@ def test_a_training_state_refreshes_until_its_sharing_or_module_attributes_chang
         assert _plan(cache, state) == (step - 1, step - 1, step - 1), f"refresh {step}"
         change()
         assert _plan(cache, state) == (step - 1, step - 1, step), f"change {step}"
+
+
+def test_a_popped_state_reuses_its_records_until_a_tensor_changes() -> None:
+    """A state planned in full at every save (Megatron's, here a ``ListState``) reuses the
+    records while its tensors are described as before, and makes them again after each
+    change of the behaviour tests' table."""
+    tensors = [torch.rand(4) for _ in range(6)]
+    cache = ShardPlanCache()
+    for iteration in (1, 2, 3):
+        plan_shard(_helpers.ListState([t.clone() for t in tensors], iteration), cache)
+    assert _counts(cache) == (2, 1) and cache.refreshes == 2
+    for n, (what, change) in enumerate(records.CHANGES, start=2):
+        change(tensors)
+        plan_shard(_helpers.ListState(tensors, n), cache)
+        assert _counts(cache) == (2, n), what
 
 
 # -- across ranks ---------------------------------------------------------------------------

@@ -12,9 +12,9 @@ from unittest import mock
 
 import torch
 
-from resilient_ckpt.local import BasicTensorAwareStateDict, _pickled
-from resilient_ckpt.local._format import deserialize, plan_shard, serialize
-from resilient_ckpt.local._shard_cache import ShardPlanCache
+from resilient_ckpt.local import BasicTensorAwareStateDict, _shard_cache
+from resilient_ckpt.local._format import deserialize, serialize
+from resilient_ckpt.local._shard_cache import ShardPlanCache, plan_shard
 from resilient_ckpt.utils import diff
 from tests import _helpers
 
@@ -41,11 +41,11 @@ def _state() -> dict:
 
 
 def _check(cache: ShardPlanCache, state: dict) -> None:
-    got = cache.plan(BasicTensorAwareStateDict(state), plan_shard)
+    got = plan_shard(BasicTensorAwareStateDict(state), cache)
     want = plan_shard(BasicTensorAwareStateDict(state))
     assert got.header == want.header
     assert (got.data_start, got.size) == (want.data_start, want.size)
-    assert list(got.records) == list(want.records)
+    assert got.offsets == want.offsets
     assert len(got.tensors) == len(want.tensors)
     assert all(a is b for a, b in zip(got.tensors, want.tensors, strict=True))
 
@@ -93,7 +93,7 @@ def test_a_model_and_optimizer_state_dict_is_refreshed_too() -> None:
         _check(cache, state)  # state_dict() makes new objects (dicts, tensors) every time
     state["model"]._metadata[""]["version"] = 2  # type: ignore[attr-defined]
     _check(cache, state)  # the module attributes are part of the structure
-    loaded = deserialize(serialize(cache.plan(BasicTensorAwareStateDict(state), plan_shard)))
+    loaded = deserialize(serialize(plan_shard(BasicTensorAwareStateDict(state), cache)))
     assert loaded.state_dict["model"]._metadata == state["model"]._metadata  # type: ignore[attr-defined]
 
 
@@ -116,12 +116,12 @@ def _training_state() -> dict:
 
 def test_parts_holding_only_tensors_travel_pickled_once_and_load_as_they_were() -> None:
     """The model's state_dict and the optimizer's per-parameter state are spliced into the
-    header whole (resilient_ckpt.local._pickled); they load as the same types, attributes
+    header whole (resilient_ckpt.local._shard_cache); they load as the same types, attributes
     and values, and a refresh reuses their pickles instead of making them."""
     state = _training_state()
-    with mock.patch.object(_pickled, "PickledValue", wraps=_pickled.PickledValue) as made:
+    with mock.patch.object(_shard_cache, "Pickled", wraps=_shard_cache.Pickled) as made:
         layout = plan_shard(BasicTensorAwareStateDict(state))
-    assert made.call_count == 2  # the two outermost parts holding only tensors
+    assert made.call_count == 3  # the records, and the two outermost parts holding only tensors
     loaded = deserialize(serialize(layout)).state_dict  # type: ignore[attr-defined]
     assert type(loaded["model"]) is OrderedDict
     assert loaded["model"]._metadata == state["model"]._metadata  # type: ignore[attr-defined]
@@ -131,8 +131,8 @@ def test_parts_holding_only_tensors_travel_pickled_once_and_load_as_they_were() 
     _check(cache, state)
     state["step"] = 2
     state["optim"]["param_groups"][0]["lr"] = 5e-4
-    with mock.patch.object(_pickled, "PickledValue", side_effect=AssertionError("re-made")):
-        got = cache.plan(BasicTensorAwareStateDict(state), plan_shard)
+    with mock.patch.object(_shard_cache, "Pickled", side_effect=AssertionError("re-made")):
+        got = plan_shard(BasicTensorAwareStateDict(state), cache)
     assert got.header == plan_shard(BasicTensorAwareStateDict(state)).header
 
 
@@ -205,7 +205,7 @@ def test_random_states_refresh_to_the_full_planning_header() -> None:
             if it == 3:
                 state["again"] = config  # shared from now on
             _check(cache, state)
-        layout = cache.plan(BasicTensorAwareStateDict(state), plan_shard)
+        layout = plan_shard(BasicTensorAwareStateDict(state), cache)
         loaded = deserialize(serialize(layout)).state_dict  # type: ignore[attr-defined]
         assert diff(state, loaded) == ([], [], [])
         assert _plain_leaves(loaded) == _plain_leaves(state)

@@ -19,6 +19,9 @@ Decisions:
   flipped bits; this is not an adversarial setting. It is computed in a helper thread while
   the bytes are written, so it costs little wall time: both the CRC and the file I/O
   release the GIL.
+* What repeats from save to save in a header (the records, the parts of the state holding
+  only tensors) is pickled once and nested as ``pickle.loads(payload)`` (see
+  :mod:`._shard_cache`): the header stays one ordinary pickle.
 * Loading unpickles the hollow object, like ``torch.load(weights_only=False)``: local
   checkpoints are written by the job itself and are trusted. The managers' safe mode
   (``weights_only=True``) unpickles it with an allow-list instead (see :func:`_header`).
@@ -27,7 +30,6 @@ Decisions:
 from __future__ import annotations
 
 import io
-import itertools
 import pickle
 import struct
 from collections.abc import Iterator
@@ -38,17 +40,13 @@ import torch
 
 from .. import _restricted_pickle
 from .._checksum import CrcPipe, crc32
-from .._unpicklable import describe_unpicklable
-from ..async_ckpt._staging import TensorBatch
-from ..async_ckpt._structure import StructureCache
-from ..errors import CheckpointingException, ConfigurationError, CorruptCheckpointError
+from ..errors import CheckpointingException, CorruptCheckpointError
 from . import _nvrx_format
-from ._pickled import PickledOnce, PickledValue, spliced
 from ._verified_read import (  # re-exported: verified reading lives in ._verified_read
     check_against_manifest as check_against_manifest,
 )
 from ._verified_read import read_verified as read_verified
-from ._whole import WholeObject, snapshot_whole
+from ._whole import WholeObject
 from .base_state_dict import TensorAwareStateDict
 from .basic_state_dict import BasicTensorAwareStateDict, TensorPlaceholder
 
@@ -82,13 +80,21 @@ def header_of(body: bytes) -> bytes:
 
 @dataclass
 class ShardLayout:
-    """A shard ready to be written: its header bytes and the tensors, in order."""
+    """A shard ready to be written: its header bytes and the tensors, in order, each at its
+    offset in the data section (made by :func:`._shard_cache.plan_shard`)."""
 
     header: bytes
     tensors: list[torch.Tensor]
-    records: list[TensorRecord]
-    data_start: int
-    size: int
+    offsets: list[int]
+    data_bytes: int
+
+    @property
+    def data_start(self) -> int:
+        return align(len(self.header))
+
+    @property
+    def size(self) -> int:
+        return self.data_start + self.data_bytes
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -98,112 +104,13 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-def _check_tensor(tensor: torch.Tensor, index: int) -> None:
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
-        raise ConfigurationError(
-            f"tensor #{index} ({tensor.layout}, {tensor.dtype}, {tensor.device}) cannot be "
-            "stored in a local checkpoint: only dense tensors with data are supported"
-        )
-
-
-class RecordMemo:
-    """The records of a manager's last planned shard, under the description of the tensors
-    they were made from.
-
-    Decision: a state planned in full at every save (any ``TensorAwareStateDict`` other than
-    a steady ``BasicTensorAwareStateDict``, e.g. Megatron's) mostly pops the same tensors
-    each time. Their records (dtype, shape, offset, size, ``requires_grad``, parameter or
-    not) and the checks before them depend only on each tensor's description
-    (:class:`~..async_ckpt._structure.TensorCheck`) and ``_is_param`` flag, so a
-    :class:`~..async_ckpt._structure.StructureCache` keyed by the flags holds the records and
-    their pickle.
-
-    ``splices``: the last planning's pickled constant parts (see :mod:`._pickled`), which a
-    header refresh of a steady ``BasicTensorAwareStateDict`` reuses (:mod:`._shard_cache`).
-    """
-
-    def __init__(self) -> None:
-        self._records: StructureCache[tuple[PickledOnce, int]] = StructureCache()
-        self.splices: list[PickledValue] = []
-
-    def lookup(self, tensors: list[torch.Tensor]) -> tuple | None:
-        """``(records, size)`` made for tensors described as ``tensors``, or None."""
-        return self._records.lookup(_param_flags(tensors), tensors)
-
-    def remember(self, tensors: list[torch.Tensor], records: PickledOnce, size: int) -> None:
-        self._records.remember(_param_flags(tensors), tensors, (records, size))
-
-
-def _param_flags(tensors: list[torch.Tensor]) -> tuple[bool, ...]:
-    return tuple(map(getattr, tensors, itertools.repeat("_is_param"), itertools.repeat(False)))
-
-
-def _records(tensors: list[torch.Tensor]) -> tuple[PickledOnce, int]:
-    """Each tensor's record (checked first), and the bytes of the data section."""
-    records: list[TensorRecord] = []
-    offset = 0
-    for index, tensor in enumerate(tensors):
-        _check_tensor(tensor, index)
-        nbytes = tensor.numel() * tensor.element_size()
-        records.append(
-            TensorRecord(
-                tensor.dtype,
-                tuple(tensor.shape),
-                offset,
-                nbytes,
-                tensor.requires_grad,
-                isinstance(tensor, torch.nn.Parameter),
-            )
-        )
-        offset = align(offset + nbytes)
-    return PickledOnce(records), offset
-
-
-def plan_shard(state: TensorAwareStateDict, memo: RecordMemo | None = None) -> ShardLayout:
-    """Lay ``state`` out as a shard; ``state`` is left as it was (tensors put back).
-
-    A state whose ``pop_tensors`` is not implemented is saved whole (see :mod:`._whole`).
-    With ``memo``, records are reused from the last planning with that memo when the
-    tensors are laid out as then (see :class:`RecordMemo`).
-    """
-    try:
-        tensors = state.pop_tensors()
-    except NotImplementedError:
-        return plan_shard(snapshot_whole(state), memo)
-    try:
-        found = memo.lookup(tensors) if memo is not None else None
-        if found is not None:
-            records, size = found
-        else:
-            records, size = _records(tensors)
-            if memo is not None:
-                memo.remember(tensors, records, size)
-        try:
-            target, splices = spliced(state)
-            body = pickle.dumps((target, records), protocol=pickle.HIGHEST_PROTOCOL)
-            if memo is not None:
-                memo.splices = splices
-        except Exception as exc:
-            where = describe_unpicklable(getattr(state, "state_dict", state))
-            raise ConfigurationError(
-                f"the non-tensor part of the state cannot be pickled"
-                f"{f': {where}' if where else ''}: {type(exc).__name__}: {exc}. Every value "
-                "that is not a tensor must be picklable (no lambdas, open files, locks or "
-                "process groups)"
-            ) from exc
-    finally:
-        state.insert_tensors(tensors)
-    header = header_of(body)
-    data_start = align(len(header))
-    return ShardLayout(header, TensorBatch(tensors), records, data_start, data_start + size)
-
-
 def _pieces(layout: ShardLayout) -> Iterator[tuple[int, torch.Tensor | bytes]]:
     """(absolute offset, bytes) of the header and of every tensor, in file order."""
     yield 0, layout.header
-    for record, tensor in zip(layout.records, layout.tensors, strict=True):
-        if record.nbytes:
-            yield layout.data_start + record.offset, _as_bytes(tensor)
+    start = layout.data_start
+    for offset, tensor in zip(layout.offsets, layout.tensors, strict=True):
+        if tensor.numel():
+            yield start + offset, _as_bytes(tensor)
 
 
 def write_into(layout: ShardLayout, out: torch.Tensor) -> None:

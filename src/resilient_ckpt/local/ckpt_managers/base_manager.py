@@ -61,12 +61,11 @@ from .._format import (
     ShardLayout,
     crc_of,
     deserialize,
-    plan_shard,
     serialize,
     write_into,
 )
 from .._manifest import CopyInfo
-from .._shard_cache import ShardPlanCache
+from .._shard_cache import ShardPlanCache, plan_shard
 from .._writer import Source, on_host
 from ..base_state_dict import TensorAwareStateDict
 from ..replication import _chunked, _forward
@@ -292,7 +291,7 @@ class BaseCheckpointManager(ABC):
         _require_tensor_aware(state_dict, "warmup")
         if _dist.is_distributed():
             _dist.library_group()
-        layout = self._shard_cache.plan(state_dict, plan_shard)
+        layout = plan_shard(state_dict, self._shard_cache)
         if self.repl_strategy is not None:
             if clique_for_background(self.repl_strategy) is not None:
                 buffer = self._background.acquire(layout.size, default_timeouts().finalize)
@@ -314,7 +313,7 @@ class BaseCheckpointManager(ABC):
                 f"({newest}); iterations must increase"
             )
         self._prepare_save(iteration)
-        return self._shard_cache.plan(state_dict, plan_shard)
+        return plan_shard(state_dict, self._shard_cache)
 
     def _deferred_request(self, state_dict: Any, iteration: Any) -> AsyncRequest:
         """An async save whose checks and layout (agreed on the background group) run where

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from ..._logging import get_logger
 from ...config import default_timeouts, local_world_size
 from ...errors import ConfigurationError, NoReplicasAvailableError
-from .._format import ShardBuffer, deserialize, plan_shard, serialize
+from .._format import ShardBuffer, deserialize, serialize
+from .._shard_cache import plan_shard
 from ..base_state_dict import TensorAwareStateDict
 from .group_utils import CliqueGroup, ExchangePlan, parse_group_sequence
 
