@@ -68,7 +68,14 @@ from ._protocol import (
     receive_available,
     widen_send_buffer,
 )
-from ._staging import PendingSnapshot, StagedRequest, prime, resolve_deferred, stage
+from ._staging import (
+    PendingSnapshot,
+    StagedRequest,
+    prime,
+    request_sources,
+    resolve_deferred,
+    stage,
+)
 from ._structure import StageCache
 
 logger = get_logger(__name__)
@@ -180,7 +187,7 @@ def _complete_and_stage(
     if order is not None:
         order.adopt()
     resolve_deferred(request[1])
-    return stage(request, *args, order=order, **kwargs)
+    return stage(request, *args, order=order, sources=request_sources(request), **kwargs)
 
 
 def _no_wait() -> bool:
@@ -489,7 +496,8 @@ class PersistentAsyncCaller(AsyncCaller):
         size = 0
         tensors: list[torch.Tensor] = []
         if state is not None:
-            size, tensors = prime(state, self.stage_cache, self.copy_threads)
+            sources = request_sources(state)
+            size, tensors = prime(state, self.stage_cache, self.copy_threads, sources=sources)
         if nbytes is not None:
             size = nbytes
         self._handshake()

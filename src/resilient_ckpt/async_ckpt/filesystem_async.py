@@ -70,7 +70,7 @@ from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
 from ..storage.commit import RecordCommit
 from ..storage.posix import probe_writable
-from ._dcp_buckets import build_buckets, host_buckets
+from ._dcp_buckets import WritePayload, buckets_of, build_buckets, host_buckets
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
@@ -300,11 +300,24 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
         self.is_coordinator = False
         self.rank: int | None = getattr(self, "rank", None)
         self.use_collectives: bool = getattr(self, "use_collectives", True)
-        self.write_buckets: list[WriteBucket] | None = None
+        self._payload: Any = None  # a WritePayload, a DeferredList, or None once handed out
         self.written_files: dict[str, tuple[int, int]] = {}
         self._job: WriteJob | None = None
         self._expected_files: list[str] | None = None
         self._deferred: DeferredList | None = None  # planned when the request is staged
+
+    @property
+    def write_buckets(self) -> list[WriteBucket] | None:
+        """The prepared save's write buckets until they are handed out (NVRx's attribute): plain
+        ``(path, name, (bytes_data, [(item, tensor), ...]))`` tuples, each tensor a new detached
+        one; a deferred save's ``DeferredList``."""
+        if isinstance(self._payload, WritePayload):
+            return self._payload.buckets()
+        return self._payload  # type: ignore[no-any-return]
+
+    @write_buckets.setter
+    def write_buckets(self, value: Any) -> None:
+        self._payload = value
 
     @property
     def has_data_to_write(self) -> bool:
@@ -374,12 +387,14 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             single_file_per_rank=self.single_file_per_rank,
             separation_hint=self.separation_hint,
         )
-        self._expected_files = [name for _, name, _ in buckets]
+        self._expected_files = buckets.names
         deferred = self._deferred
         if deferred is not None and deferred.planning:
             # Completing a deferred save: its save function (bound to its job) and its
-            # payload were handed out already; the payload gets the buckets.
-            deferred.fill(buckets)
+            # payload were handed out already; staging takes the buckets as the explicit
+            # data the deferred list now stands for, any other reader as plain buckets.
+            deferred.staged_as = buckets  # type: ignore[attr-defined]
+            deferred.fill([])
             return
         self._deferred = None  # a deferred save of this writer's that is over
         self.write_buckets = buckets
@@ -421,13 +436,13 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
         """
         if self._job is None or not self.has_data_to_write:
             return None, None, []
-        if self.write_buckets is None:
+        if self._payload is None:
             raise FrozenRequestError(
                 f"the write payload of this save to {self.checkpoint_dir!r} has already been "
                 "transferred (get_save_function_and_args was called before); call "
                 "prepare_write_data (or plan again) to prepare another save"
             )
-        buckets, self.write_buckets = self.write_buckets, None
+        buckets, self._payload = self._payload, None
         save_fn = functools.partial(type(self).write_preloaded_data_multithread, self._job)
         preload_fn = functools.partial(type(self).preload_tensors, buckets, True)
         return save_fn, preload_fn, [self._job.rank, buckets]
@@ -449,8 +464,10 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
     def write_preloaded_data_multithread(
         cls, job: WriteJob, rank: int, write_buckets: list[WriteBucket]
     ) -> None:
-        """Background entry point: write every bucket with ``job.thread_count`` threads."""
-        run_write_job(job, write_buckets, functools.partial(cls.write_preloaded_data, job))
+        """Background entry point: write every bucket with ``job.thread_count`` threads
+        (``write_buckets`` may also be the payload itself, called without ``preload_fn``)."""
+        buckets = buckets_of(write_buckets)
+        run_write_job(job, buckets, functools.partial(cls.write_preloaded_data, job))
 
     @classmethod
     def write_preloaded_data(cls, job: WriteJob, write_bucket: WriteBucket) -> FileRecord:
@@ -489,7 +506,7 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             raise CheckpointWriteError(what, rank=self._rank())
         # A save function was handed out (the payload is gone) iff a report will come: a
         # deferred save's always, even when its planning gave this rank nothing to write.
-        handed_out = self.write_buckets is None
+        handed_out = self._payload is None
         if self._job is None or not (self._expected_files or handed_out):
             return []
         report = take_report(self._job)
