@@ -313,7 +313,9 @@ class WritePayload(StagingSource):
         files: list[FileHeader],
         sources: Callable[[], list[torch.Tensor]],
         checked_by_plan: bool,
+        quick: Callable[[], list[torch.Tensor] | None] | None = None,
     ) -> None:
+        self._quick = quick
         self.skeleton = skeleton
         self.files = files
         self._sources = sources
@@ -334,6 +336,22 @@ class WritePayload(StagingSource):
             return self._resolved
 
     def staging_part(self) -> StagingPart:
+        quick = self._quick() if self._quick is not None and self._resolved is None else None
+        if quick is not None:
+            # The raw lookups: a layout equal to a full staging's implies the checks
+            # resolve_sources makes (the device is in the plan; a cloned view's storage is
+            # the clone's, never the view's), so only a miss needs the checked sources.
+            return StagingPart(
+                rebuild_buckets,
+                (self.files, self.skeleton.blob),
+                quick,
+                self.skeleton,
+                self._checked_by_plan,
+                full=self._checked_part,
+            )
+        return self._checked_part()
+
+    def _checked_part(self) -> StagingPart:
         return StagingPart(
             rebuild_buckets,
             (self.files, self.skeleton.blob),
@@ -420,8 +438,14 @@ def build_buckets(
         files.append((join(checkpoint_dir, name), name, bytes_data, count))
     resolve = functools.partial(_checked_sources, skeleton.tensor_items, planner, flat)
     if flat is None:  # the planner's own resolve_data runs now, on the calling thread
-        resolve = functools.partial(_given, resolve())
-    return WritePayload(skeleton, files, resolve, flat is not None)
+        return WritePayload(skeleton, files, functools.partial(_given, resolve()), False)
+    quick = functools.partial(_raw_lookups, skeleton.tensor_items, flat)
+    return WritePayload(skeleton, files, resolve, True, quick)
+
+
+def _raw_lookups(blob: ItemsBlob, flat: dict[str, Any]) -> list[torch.Tensor] | None:
+    tensors = _uniform_tensors(blob, flat)
+    return None if tensors is None else list(tensors)
 
 
 def _given(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

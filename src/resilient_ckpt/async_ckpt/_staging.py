@@ -429,6 +429,9 @@ class StagingPart:
     tensors: list[torch.Tensor]
     key: object
     checked: bool
+    # The part with every per-tensor check of its source, if ``tensors`` skipped them: used
+    # unless the cache hits, as a layout equal to a full staging's implies those checks.
+    full: Callable[[], StagingPart] | None = None
 
 
 class StagingSource:
@@ -506,6 +509,14 @@ class _Explicit:
         parts = [source.staging_part() for source in unique]
         tensors = [t for part in parts for t in part.tensors]
         return cls(unique, parts, tensors, ids)
+
+    def full(self) -> _Explicit:
+        """The parts with every check (for a full staging)."""
+        if all(part.full is None for part in self.parts):
+            return self
+        parts = [part if part.full is None else part.full() for part in self.parts]
+        tensors = [t for part in parts for t in part.tensors]
+        return _Explicit(self.sources, parts, tensors, self.ids)
 
     def by_value(self) -> _Explicit:
         """The same sources, each pickled as the object it stands for (its tensors included,
@@ -627,6 +638,7 @@ def _stage_explicit(
             payload, rest = explicit.dump(obj, descriptors, what)
             if not rest.tensors:  # nothing else in the request to stage
                 return _copy_cached(payload, cache, pool, wait_for_release, explicit.tensors, order)
+    explicit = explicit.full()
     collector = _Collector()
     try:
         descriptors = explicit.describe(collector)
@@ -727,7 +739,7 @@ def prime(
     then takes the fast path from its first save.
     """
     if sources:
-        explicit = _Explicit.of(sources)
+        explicit = _Explicit.of(sources).full()
         collector = _Collector()
         try:
             descriptors = explicit.describe(collector)
