@@ -1,6 +1,6 @@
 """The async DCP writer's buckets resolve their tensors when the request is staged (issue 13's
-overlapped staging): to readers they are the same list of pairs as before, in overlapped
-staging the lookups run on the staging thread, and a late failure keeps its own error."""
+overlapped staging): to readers they are plain lists of pairs, in overlapped staging the
+lookups run on the staging thread, and a late failure keeps its own error."""
 
 from __future__ import annotations
 
@@ -32,50 +32,49 @@ def _state() -> dict:
     return {f"w{i}": torch.full((256,), float(i)) for i in range(6)} | {"step": 3}
 
 
-def _planned(path, state: dict, **kwargs) -> tuple[FileSystemWriterAsync, tuple]:
+def _planned(path, state: dict, planner=None, **kwargs) -> tuple[FileSystemWriterAsync, tuple]:
     writer = FileSystemWriterAsync(str(path), **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ret = save_state_dict_async_plan(state, writer)
+        ret = save_state_dict_async_plan(state, writer, planner=planner)
     return writer, ret
 
 
-def _tensor_data(writer: FileSystemWriterAsync) -> list:
-    return [bucket[2][1] for bucket in writer.write_buckets or []]
-
-
-def test_pairs_are_resolved_once_on_first_use_and_read_like_a_list(tmp_path) -> None:
+def test_the_buckets_read_as_plain_pairs_of_new_tensors_over_the_callers_memory(tmp_path) -> None:
     state = _state()
     writer, _ = _planned(tmp_path / "a", state, thread_count=2)
-    buckets = _tensor_data(writer)
-    assert buckets and all(b._resolver is not None for b in buckets), "resolved at planning"
-    first = buckets[0]
-    pairs = list(first)
-    assert first._resolver is None and len(first) == len(pairs) > 0
+    buckets = writer.write_buckets
+    assert type(buckets) is list and len(buckets) == 2
+    pairs = [pair for _, _, (_, tensor_data) in buckets for pair in tensor_data]
+    assert all(type(tensor_data) is list for _, _, (_, tensor_data) in buckets)
+    assert sorted(item.index.fqn for item, _ in pairs) == [f"w{i}" for i in range(6)]
     for item, tensor in pairs:
         source = state[item.index.fqn]
-        # A new object over the caller's memory, as the eager path gave.
+        # A new object over the caller's memory.
         assert tensor is not source and tensor.data_ptr() == source.data_ptr()
-    assert first[0] is pairs[0] and first == pairs and pairs[0] in first
-    # Pickled before any use (what staging does), it travels as a plain list of pairs
-    # without resolving the bucket itself: the pickler finds the tensors.
-    second = buckets[1]
-    copied = pickle.loads(pickle.dumps(second))
-    assert type(copied) is list and second._resolver is not None
-    assert [i.index.fqn for i, _ in copied] == [i.index.fqn for i, _ in second]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(copied, second, strict=True))
+    assert writer.write_buckets is buckets  # built once
+    # Handed out and pickled by anything but staging, the payload is the same plain list.
+    _, _, args = writer.get_save_function_and_args()
+    copied = pickle.loads(pickle.dumps(args[1]))
+    assert type(copied) is list and [b[1] for b in copied] == [b[1] for b in buckets]
+    for (_, _, (_, ours)), (_, _, (_, theirs)) in zip(buckets, copied, strict=True):
+        assert [i.index.fqn for i, _ in ours] == [i.index.fqn for i, _ in theirs]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ours, theirs, strict=True))
 
 
-def test_a_custom_planner_resolves_at_once(tmp_path) -> None:
+def test_a_custom_planner_resolves_in_the_save_call(tmp_path) -> None:
+    calls: list[str] = []
+
     class Planner(dcp.DefaultSavePlanner):
         def resolve_data(self, write_item):
+            calls.append(write_item.index.fqn)
             return super().resolve_data(write_item)
 
     writer = FileSystemWriterAsync(str(tmp_path / "c"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         save_state_dict_async_plan(_state(), writer, planner=Planner())
-    assert all(b._resolver is None and len(b) for b in _tensor_data(writer))
+    assert {f"w{i}" for i in range(6)} <= set(calls)
 
 
 def test_overlapped_staging_resolves_on_the_staging_thread(tmp_path, monkeypatch) -> None:
@@ -88,8 +87,7 @@ def test_overlapped_staging_resolves_on_the_staging_thread(tmp_path, monkeypatch
 
         return resolving
 
-    for name in ("resolve_sources", "quick_sources"):
-        monkeypatch.setattr(_dcp_buckets, name, recording(getattr(_dcp_buckets, name)))
+    monkeypatch.setattr(_dcp_buckets, "resolve_sources", recording(_dcp_buckets.resolve_sources))
     state = _state()
     queue = AsyncCallsQueue()
     try:
@@ -114,10 +112,9 @@ def test_overlapped_staging_resolves_on_the_staging_thread(tmp_path, monkeypatch
 
 
 def test_a_late_resolution_failure_keeps_its_own_error(tmp_path) -> None:
-    writer, _ = _planned(tmp_path / "f", _state())
-    bucket = _tensor_data(writer)[0]
-    flat = bucket._resolver.flat  # the plan's flat state
-    flat[bucket.blob.fqns[0]] = "not a tensor"  # e.g. a planner that resolves badly
+    planner = dcp.DefaultSavePlanner()
+    writer, _ = _planned(tmp_path / "f", _state(), planner=planner)
+    planner.state_dict["w0"] = "not a tensor"  # the plan's flat state, resolved late
     save_fn, preload_fn, args = writer.get_save_function_and_args()
     queue = AsyncCallsQueue()
     try:

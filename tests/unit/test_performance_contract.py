@@ -84,6 +84,33 @@ def test_a_steady_dcp_save_reuses_the_plan_and_every_structure_change_replans(tm
         queue.close()
 
 
+# Changes that keep the plan but may move a tensor's bytes (the allocator may reuse them).
+_MOVED = {"tensor replaced by a new object of the same shape", "storage swapped in place"}
+
+
+@pytest.mark.timeout(180)
+def test_a_dcp_save_restages_in_full_exactly_when_its_plan_changed(tmp_path) -> None:
+    """The staging cache of a DCP request is keyed by the cached plan (its skeleton): a
+    steady save reuses the descriptors and copy plan, a re-planned one stages in full."""
+    warnings.filterwarnings("ignore")
+    cache = CheckpointMetadataCache()
+    queue = AsyncCallsQueue()
+    state = steady._dcp_state()
+    try:
+        steady._dcp_save(queue, state, tmp_path / "first", cache)
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        staging = queue.persistent_caller.stage_cache
+        for n, (what, change, reusable) in enumerate(steady.DCP_CHANGES):
+            change(state)
+            hits = staging.hits
+            steady._dcp_save(queue, state, tmp_path / f"d{n}", cache)
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            if what not in _MOVED:
+                assert staging.hits == hits + reusable, what
+    finally:
+        queue.close()
+
+
 @pytest.mark.timeout(120)
 def test_a_model_and_optimizer_state_is_planned_at_its_first_save_only(tmp_path) -> None:
     """``get_state_dict(model, optimizer)`` makes new objects every call (new dicts, new

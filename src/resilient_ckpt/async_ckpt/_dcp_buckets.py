@@ -1,24 +1,30 @@
-"""Trainer side of the async DCP write: a plan's items resolved to tensors and grouped into
-per-file write buckets ``(path, name, (bytes_data, tensor_data))`` (see :mod:`._dcp_write`).
+"""Trainer side of the async DCP write: a plan's items as per-file write buckets
+``(path, name, (bytes_data, tensor_data))`` (see :mod:`._dcp_write`), handed to staging as
+explicit data (:class:`WritePayload`).
 
 * **What does not depend on the bytes is computed once per plan.** With the plan cache on
   (:mod:`.state_dict_saver`), an unchanged structure reuses the very same, already validated
   plan object. What derives from the plan alone is cached by its identity (a reference is
-  kept, so the id cannot be recycled) and the file options: the split into files
-  (:func:`plan_files`) and each file's tensor items *pickled once*, so the request staged
-  every save holds one ``bytes`` per file, not thousands of write items.
-* **The writer owns what it writes.** Read as a list, each item resolves to a *new* detached
-  tensor, so the buckets' tensors die with the write (NVRx's tests hold weak references to
-  them); a CPU view into a larger storage is cloned (staging would otherwise copy the whole
-  base). Staging reads the *sources* and describes them as detached (``SourcedBatch``), so
-  the detached objects are made only if a bucket is read as a list.
+  kept, so the id cannot be recycled) and the file options (:class:`_Skeleton`): the split
+  into files (:func:`plan_files`) and the tensor items *pickled once*, so the request staged
+  every save holds one ``bytes`` of items, not thousands of write items.
+* **Staging takes a skeleton and a flat list of tensors.** The payload is not pickled: it
+  hands staging (:class:`._staging.StagingSource`) the files' names and bytes items, the
+  pickled items, and the source tensors in item order, keyed by the per-plan skeleton; the
+  worker pairs them again into plain buckets (:func:`rebuild_buckets`). The skeleton is the
+  answer to "same as the last save?": while it is the same, the staging cache re-checks only
+  where the tensors' bytes lie (:meth:`._structure.StageCache.explicit_hit`).
+* **The writer owns what it writes.** Read in the trainer (NVRx's readers, ``preload_fn``,
+  a fork or ``execute_sync``), the buckets hold a *new* detached tensor per item, so their
+  tensors die with the write (NVRx's tests hold weak references to them); staging reads the
+  sources, so those objects are made only if the buckets are read. A CPU view into a larger
+  storage is cloned (staging would otherwise copy the whole base).
 * **Resolving is a lookup, done at staging.** For a :class:`DefaultSavePlanner` an item is a
   lookup in the planner's flat state (its generic ``resolve_data`` builds index objects per
-  item; DTensor's ``to_local`` goes through autograd). A file of only plain tensors, or only
+  item; DTensor's ``to_local`` goes through autograd). A plan of only plain tensors, or only
   Shard/Replicate DTensors over them, is resolved by C-level ``map`` passes; any other mix
-  item by item. The lookups run when the request is staged (:class:`ItemTensors`), off the
-  trainer's thread when staging is overlapped. Other planners' ``resolve_data`` runs in the
-  save call.
+  item by item. The lookups run when the request is staged, off the trainer's thread when
+  staging is overlapped. Other planners' ``resolve_data`` runs in the save call.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -43,8 +49,8 @@ from .. import _dist
 from .._torch_compat import DTensor, Replicate, Shard
 from .._unpicklable import describe_unpicklable
 from ..errors import CheckpointingException, ConfigurationError, InvalidRequestError
-from ._dcp_write import WriteBucket
-from ._staging import PLAIN_TENSOR_TYPES, SourcedBatch, TensorBatch
+from ._dcp_write import BytesData, WriteBucket
+from ._staging import PLAIN_TENSOR_TYPES, StagingPart, StagingSource
 
 _CACHE_SIZE = 4
 
@@ -143,11 +149,6 @@ def direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def resolve_blob(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | None) -> list:
-    """A new detached tensor per item of ``blob``."""
-    return list(map(torch.Tensor.detach, resolve_sources(blob, planner, flat)))
-
-
 def resolve_sources(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | None) -> list:
     """``snapshot_source`` of each of ``blob``'s items; ``flat`` (:func:`direct_lookup`) lets plain
     tensors and non-partial DTensors be looked up directly.
@@ -169,17 +170,6 @@ def resolve_sources(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] 
                 tensor = local
         out.append(snapshot_source(planner.resolve_data(item) if tensor is None else tensor, fqn))
     return out
-
-
-def quick_sources(blob: ItemsBlob, flat: dict[str, Any]) -> list | None:
-    """:func:`resolve_sources` without per-tensor checks, for the staging cache's optimistic pickle
-    (``SourcedBatch``); None unless every item is looked up directly.
-
-    The checks skipped are implied by layouts equal to a full staging's: the layout holds the
-    device, and a cloned view's key holds the clone's storage, never equal to the view's.
-    """
-    tensors = _uniform_tensors(blob, flat)
-    return None if tensors is None else list(tensors)
 
 
 def _uniform_tensors(blob: ItemsBlob, flat: dict[str, Any]) -> tuple | None:
@@ -215,135 +205,47 @@ def _plain_cpu(tensors: tuple) -> bool:
 # -- the cached skeleton of a plan's buckets -------------------------------------------------
 
 
-def _load_items(payload: bytes) -> tuple[WriteItem, ...]:
-    return pickle.loads(payload)
-
-
 def _lookup_few(fqns: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple]:
     # itemgetter of a single key returns the value itself, not a 1-tuple.
     return lambda flat: tuple(flat[fqn] for fqn in fqns)
 
 
 class ItemsBlob:
-    """The tensor items of one data file, pickled once (lazily) and reused every save."""
+    """Tensor items, with their keys and a C-level lookup of their objects in a flat state."""
 
-    __slots__ = ("_lock", "_payload", "fqns", "items", "lookup")
+    __slots__ = ("fqns", "items", "lookup")
 
     def __init__(self, items: Sequence[WriteItem]) -> None:
         self.items = tuple(items)
         self.fqns = tuple(item.index.fqn for item in self.items)
-        # The items' objects in a flat state, as a tuple, by C-level lookups.
         self.lookup: Callable[[dict[str, Any]], tuple] = (
             operator.itemgetter(*self.fqns) if len(self.fqns) > 1 else _lookup_few(self.fqns)
         )
-        self._payload: bytes | None = None
-        self._lock = threading.Lock()
-
-    def __reduce__(self) -> Any:
-        with self._lock:
-            if self._payload is None:
-                self._payload = pickle.dumps(self.items, protocol=pickle.HIGHEST_PROTOCOL)
-        return _load_items, (self._payload,)
-
-
-def _pairs(items: tuple[WriteItem, ...], tensors: list[torch.Tensor]) -> list:
-    return list(zip(items, tensors, strict=True))
-
-
-class ItemTensors(list[tuple[WriteItem, torch.Tensor]]):
-    """A bucket's ``(WriteItem, tensor)`` pairs, a plain list to every reader, that pickle as one
-    blob plus the tensors.
-
-    With a ``resolver`` the tensors are looked up on first list use; pickled before that, they
-    are found by the pickler and staged as their detached views (a ``SourcedBatch``), on the
-    staging thread when overlapped. Only lookups into the plan's own flat state are deferred
-    (:func:`build_buckets`).
-    """
-
-    blob: ItemsBlob
-    _resolver: _Resolver | None = None
-    _lock: threading.Lock
-
-    @classmethod
-    def deferred(cls, blob: ItemsBlob, resolver: _Resolver) -> ItemTensors:
-        made = cls()
-        made.blob = blob
-        made._resolver = resolver
-        made._lock = threading.Lock()
-        return made
-
-    def _materialize(self) -> None:
-        if self._resolver is None:
-            return
-        with self._lock:
-            resolver = self._resolver
-            if resolver is None:
-                return
-            tensors = list(map(torch.Tensor.detach, resolver.checked()))
-            list.extend(self, zip(self.blob.items, tensors, strict=True))
-            self._resolver = None
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        resolver = self._resolver
-        if resolver is not None:
-            return _pairs, (self.blob, SourcedBatch(resolver.checked, resolver.quick))
-        return _pairs, (self.blob, TensorBatch(tensor for _, tensor in self))
-
-
-class _Resolver:
-    """How a deferred bucket finds its tensors in the planner's flat state."""
-
-    __slots__ = ("blob", "flat", "planner")
-
-    def __init__(self, blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any]) -> None:
-        self.blob, self.planner, self.flat = blob, planner, flat
-
-    def checked(self) -> list[torch.Tensor]:
-        try:
-            return resolve_sources(self.blob, self.planner, self.flat)
-        except CheckpointingException:
-            raise
-        except Exception as exc:  # the planner's resolve_data, running late
-            raise ConfigurationError(
-                f"resolving the save plan's tensor items failed: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    def quick(self) -> list[torch.Tensor] | None:
-        return quick_sources(self.blob, self.flat)
-
-
-# Every list operation sees the resolved pairs (pickling has its own __reduce_ex__).
-_RESOLVING = (
-    "__len__", "__getitem__", "__iter__", "__reversed__", "__contains__", "__eq__", "__ne__",
-    "__lt__", "__le__", "__gt__", "__ge__", "__repr__", "__add__", "__mul__", "__rmul__",
-    "__iadd__", "__imul__", "__setitem__", "__delitem__", "append", "extend", "insert", "pop",
-    "remove", "clear", "index", "count", "copy", "sort", "reverse",
-)  # fmt: skip
-
-
-def _resolving_first(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def wrapper(self: ItemTensors, *args: Any, **kwargs: Any) -> Any:
-        self._materialize()
-        return method(self, *args, **kwargs)
-
-    return wrapper
-
-
-for _name in _RESOLVING:
-    setattr(ItemTensors, _name, _resolving_first(getattr(list, _name)))
 
 
 class _Skeleton:
-    """Per plan: the files, each with its byte items, tensor items and their blob."""
+    """Per plan: the files (name, byte items, count of tensor items), every tensor item in
+    file order, and those items pickled once (what the worker rebuilds the buckets from)."""
 
     def __init__(self, items: list[WriteItem], files: list[tuple[str, list[WriteItem]]]) -> None:
         self.items = items  # keeps id(items) from being reused while cached
-        self.files = []
+        self.files: list[tuple[str, list[WriteItem], int]] = []
+        tensor_items: list[WriteItem] = []
         for name, file_items in files:
             byte_items = [i for i in file_items if i.type == WriteItemType.BYTE_IO]
-            tensor_items = [i for i in file_items if i.type != WriteItemType.BYTE_IO]
-            self.files.append((name, byte_items, ItemsBlob(tensor_items)))
+            in_file = [i for i in file_items if i.type != WriteItemType.BYTE_IO]
+            self.files.append((name, byte_items, len(in_file)))
+            tensor_items.extend(in_file)
+        self.tensor_items = ItemsBlob(tensor_items)
+        self._blob: bytes | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def blob(self) -> bytes:
+        with self._lock:
+            if self._blob is None:
+                self._blob = pickle.dumps(self.tensor_items.items, protocol=pickle.HIGHEST_PROTOCOL)
+            return self._blob
 
 
 _skeletons: OrderedDict[tuple, _Skeleton] = OrderedDict()
@@ -373,6 +275,114 @@ def _skeleton(plan: SavePlan, prefix: str, options: tuple) -> _Skeleton:
     return made
 
 
+# One data file as the worker rebuilds it: (path, name, bytes data, number of tensor items).
+FileHeader = tuple[str, str, BytesData, int]
+
+
+def rebuild_buckets(
+    files: list[FileHeader], items: bytes | Sequence[WriteItem], tensors: list[torch.Tensor]
+) -> list[WriteBucket]:
+    """The plain write buckets of ``files``, their tensor items (``items``, or pickled) paired in
+    order with ``tensors``: the worker's side of a :class:`WritePayload`."""
+    if isinstance(items, bytes):
+        items = cast("Sequence[WriteItem]", pickle.loads(items))
+    buckets: list[WriteBucket] = []
+    start = 0
+    for path, name, bytes_data, count in files:
+        end = start + count
+        pairs = list(zip(items[start:end], tensors[start:end], strict=True))
+        buckets.append((path, name, (bytes_data, pairs)))
+        start = end
+    return buckets
+
+
+class WritePayload(StagingSource):
+    """One save's write buckets as explicit data: the plan's skeleton (file names, byte items'
+    data, tensor items pickled once per plan) and the source tensors in item order.
+
+    Staging takes it as a skeleton and a flat list of tensors (:meth:`staging_part`); the worker
+    rebuilds plain ``(path, name, (bytes_data, [(item, tensor), ...]))`` buckets. Read in the
+    trainer (:meth:`buckets`: NVRx's readers, ``preload_fn``, a fork or ``execute_sync``) it
+    is the same plain list, each tensor a new detached one (so the buckets' tensors die with
+    the write; NVRx's tests hold weak references to them), built once.
+    """
+
+    def __init__(
+        self,
+        skeleton: _Skeleton,
+        files: list[FileHeader],
+        sources: Callable[[], list[torch.Tensor]],
+        checked_by_plan: bool,
+        quick: Callable[[], list[torch.Tensor] | None] | None = None,
+    ) -> None:
+        self._quick = quick
+        self.skeleton = skeleton
+        self.files = files
+        self._sources = sources
+        self._resolved: list[torch.Tensor] | None = None
+        self._buckets: list[WriteBucket] | None = None
+        self._checked_by_plan = checked_by_plan
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return [name for _, name, _, _ in self.files]
+
+    def sources(self) -> list[torch.Tensor]:
+        """The tensors the snapshot copies, in item order (looked up once, at first use)."""
+        with self._lock:
+            if self._resolved is None:
+                self._resolved = self._sources()
+            return self._resolved
+
+    def staging_part(self) -> StagingPart:
+        quick = self._quick() if self._quick is not None and self._resolved is None else None
+        if quick is not None:
+            # The raw lookups: a layout equal to a full staging's implies the checks
+            # resolve_sources makes (the device is in the plan; a cloned view's storage is
+            # the clone's, never the view's), so only a miss needs the checked sources.
+            return StagingPart(
+                rebuild_buckets,
+                (self.files, self.skeleton.blob),
+                quick,
+                self.skeleton,
+                self._checked_by_plan,
+                full=self._checked_part,
+            )
+        return self._checked_part()
+
+    def _checked_part(self) -> StagingPart:
+        return StagingPart(
+            rebuild_buckets,
+            (self.files, self.skeleton.blob),
+            self.sources(),
+            self.skeleton,
+            self._checked_by_plan,
+        )
+
+    def buckets(self) -> list[WriteBucket]:
+        """The plain buckets, built on first use and kept."""
+        if self._buckets is None:
+            tensors = list(map(torch.Tensor.detach, self.sources()))
+            self._buckets = rebuild_buckets(self.files, self.skeleton.tensor_items.items, tensors)
+        return self._buckets
+
+    def __reduce__(self) -> Any:
+        return list, (self.buckets(),)
+
+
+def buckets_of(payload: Any) -> list[WriteBucket]:
+    """``payload``'s plain buckets: a :class:`WritePayload`'s, or ``payload`` itself."""
+    return payload.buckets() if isinstance(payload, WritePayload) else payload
+
+
+def file_names(payload: Any) -> list[str]:
+    """The data files of ``payload`` (a :class:`WritePayload` or plain buckets)."""
+    if isinstance(payload, WritePayload):
+        return payload.names
+    return [name for _, name, _ in buckets_of(payload)]
+
+
 def resolve_bytes(planner: SavePlanner, item: WriteItem, flat: dict[str, Any] | None) -> Any:
     """A bytes item's data (the planner pickles its value); a value that cannot be pickled
     is an :class:`InvalidRequestError` naming its key, the path inside it and the type."""
@@ -393,6 +403,17 @@ def resolve_bytes(planner: SavePlanner, item: WriteItem, flat: dict[str, Any] | 
         ) from exc
 
 
+def _checked_sources(blob: ItemsBlob, planner: SavePlanner, flat: dict[str, Any] | None) -> list:
+    try:
+        return resolve_sources(blob, planner, flat)
+    except CheckpointingException:
+        raise
+    except Exception as exc:  # the planner's resolve_data
+        raise ConfigurationError(
+            f"resolving the save plan's tensor items failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def build_buckets(
     plan: SavePlan,
     planner: SavePlanner,
@@ -403,32 +424,39 @@ def build_buckets(
     thread_count: int,
     single_file_per_rank: bool,
     separation_hint: str | None,
-) -> list[WriteBucket]:
-    """Resolve ``plan``'s items to data and group them into per-file write buckets."""
+) -> WritePayload:
+    """``plan``'s per-file write buckets as a :class:`WritePayload`: the bytes items resolved now;
+    the tensors looked up when first needed (when the request is staged, on the staging thread
+    when overlapped) if the planner's resolving is a lookup in its flat state, else now."""
     skeleton = _skeleton(plan, prefix, (thread_count, single_file_per_rank, separation_hint))
     flat = direct_lookup(planner)
-    buckets: list[WriteBucket] = []
-    for name, byte_items, blob in skeleton.files:
+    files: list[FileHeader] = []
+    for name, byte_items, count in skeleton.files:
         bytes_data: Any = [(item, resolve_bytes(planner, item, flat)) for item in byte_items]
-        if flat is not None:
-            # Lookups in the plan's flat state only (a DefaultSavePlanner's): deferred.
-            tensor_data = ItemTensors.deferred(blob, _Resolver(blob, planner, flat))
-        else:  # the planner's own resolve_data runs now, on the calling thread
-            tensor_data = ItemTensors(
-                zip(blob.items, resolve_blob(blob, planner, flat), strict=True)
-            )
-            tensor_data.blob = blob
-        buckets.append((join(checkpoint_dir, name), name, (bytes_data, tensor_data)))
-    return buckets
+        files.append((join(checkpoint_dir, name), name, bytes_data, count))
+    resolve = functools.partial(_checked_sources, skeleton.tensor_items, planner, flat)
+    if flat is None:  # the planner's own resolve_data runs now, on the calling thread
+        return WritePayload(skeleton, files, functools.partial(_given, resolve()), False)
+    quick = functools.partial(_raw_lookups, skeleton.tensor_items, flat)
+    return WritePayload(skeleton, files, resolve, True, quick)
 
 
-def host_buckets(write_buckets: list[WriteBucket], non_blocking: bool = True) -> list[WriteBucket]:
-    """The buckets with every tensor on the host, none aliasing memory another process can change
-    (see ``FileSystemWriterAsync.preload_tensors``).
+def _raw_lookups(blob: ItemsBlob, flat: dict[str, Any]) -> list[torch.Tensor] | None:
+    tensors = _uniform_tensors(blob, flat)
+    return None if tensors is None else list(tensors)
+
+
+def _given(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return tensors
+
+
+def host_buckets(write_buckets: Any, non_blocking: bool = True) -> list[WriteBucket]:
+    """The buckets (or a :class:`WritePayload`'s) with every tensor on the host, none aliasing
+    memory another process can change (see ``FileSystemWriterAsync.preload_tensors``).
     """
     moved_from_device = False
     result: list[WriteBucket] = []
-    for path, name, (bytes_data, tensor_data) in write_buckets:
+    for path, name, (bytes_data, tensor_data) in buckets_of(write_buckets):
         host = []
         for item, tensor in tensor_data:
             if tensor.device.type != "cpu":

@@ -71,7 +71,14 @@ from ._protocol import (
     Submit,
     widen_send_buffer,
 )
-from ._staging import PendingSnapshot, PlanStep, StagedRequest, prime, stage
+from ._staging import (
+    PendingSnapshot,
+    PlanStep,
+    StagedRequest,
+    prime,
+    request_sources,
+    stage,
+)
 from ._structure import StageCache
 
 logger = get_logger(__name__)
@@ -208,7 +215,7 @@ def _complete_and_stage(
     if isinstance(preload_fn, PlanStep):
         fn_args, preload_fn = preload_fn.planned(fn_args)
         request = (async_fn, fn_args, fn_kwargs, preload_fn)
-    return stage(request, *args, order=order, **kwargs)
+    return stage(request, *args, order=order, sources=request_sources(request), **kwargs)
 
 
 def _no_wait() -> bool:
@@ -519,7 +526,8 @@ class PersistentAsyncCaller(AsyncCaller):
         size = 0
         tensors: list[torch.Tensor] = []
         if state is not None:
-            size, tensors = prime(state, self.stage_cache, self.copy_threads)
+            sources = request_sources(state)
+            size, tensors = prime(state, self.stage_cache, self.copy_threads, sources=sources)
         if nbytes is not None:
             size = nbytes
         self._handshake()

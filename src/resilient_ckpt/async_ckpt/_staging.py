@@ -6,16 +6,25 @@ and worker (:mod:`._arena`). When ``schedule_async_request`` returns the checkpo
 fixed and training may change its tensors. Arenas are pooled and reused for every save whose
 bytes fit, so in steady state no segment is created per save and host memory does not grow.
 
-Trainer side: the request is pickled once with a ``dispatch_table`` that reduces each strided
-CPU or CUDA tensor to a descriptor (slot, dtype, size, stride, offset). The C pickler consults
-the table only for tensor types, so the cost is one Python call per tensor; a
-``persistent_id`` method would be called for every object pickled. Slots are keyed by
-*storage*, so views and tied weights stay shared exactly as ``torch.save`` would see them.
-:mod:`._copy` fills the slots; :mod:`._structure` lets a request laid out like the previous
-one reuse its descriptors and copy plan. Lists of tensors our own code builds, and a
-``torch.save`` state's dicts of tensors, travel as one blob of descriptors
-(:class:`TensorBatch`, :class:`SourcedBatch`, :class:`TensorDict`). Worker side,
-:func:`unstage` rebuilds each descriptor as a tensor over its slot.
+Trainer side: each tensor becomes a descriptor (slot, dtype, size, stride, offset). Slots are
+keyed by *storage*, so views and tied weights stay shared exactly as ``torch.save`` would see
+them. :mod:`._copy` fills the slots; :mod:`._structure` lets a save laid out like the
+previous one reuse its descriptors and copy plan. Worker side, :func:`unstage` rebuilds each
+descriptor as a tensor over its slot.
+
+* **Explicit sources.** A request argument that is a :class:`StagingSource` (the async DCP
+  writer's payload) is not pickled: it hands staging a :class:`StagingPart`, a skeleton (a
+  rebuild call and its arguments) and a flat list of tensors, described in one blob; the
+  request names it by index (``persistent_id``, set only for such requests, whose other
+  objects are few). The payload is two pickles in one stream, the parts (descriptors and
+  rebuild calls), then the request, so the worker rebuilds each part before the request
+  that names it. The part's key tells a steady save from another one.
+* **Anything else** is pickled with a ``dispatch_table`` that reduces each strided CPU or
+  CUDA tensor to its descriptor. The C pickler consults the table only for tensor types, so
+  the cost is one Python call per tensor; a ``persistent_id`` method would be called for
+  every object pickled. Lists of tensors our own code builds, and a ``torch.save`` state's
+  dicts of tensors, travel as one blob of descriptors (:class:`TensorBatch`,
+  :class:`TensorDict`).
 
 Overlapped staging (``overlap_staging=True``): all of :func:`stage` runs on one background
 thread until ``wait_for_snapshot`` (:class:`PendingSnapshot`). The request's objects, not
@@ -100,29 +109,6 @@ class TensorBatch(list):
     """
 
     __slots__ = ()
-
-
-class SourcedBatch:
-    """A batch of tensors found only when staging meets it, staged as their ``detach()``.
-
-    ``checked()`` gives the tensors after every check its owner needs; ``quick()`` gives them
-    without those checks (or None), for the staging cache's optimistic pickle only, which is kept
-    only if the layouts equal those of a previous full staging. The owner guarantees that equal
-    layouts imply the checks pass. Pickled by anything but staging, it is the detached list.
-    """
-
-    __slots__ = ("checked", "quick")
-
-    def __init__(
-        self,
-        checked: Callable[[], list[torch.Tensor]],
-        quick: Callable[[], list[torch.Tensor] | None],
-    ) -> None:
-        self.checked = checked
-        self.quick = quick
-
-    def __reduce_ex__(self, protocol: object) -> tuple:
-        return list, (list(map(torch.Tensor.detach, self.checked())),)
 
 
 # A dict with fewer tensors gains less from one batch than its checks cost.
@@ -329,9 +315,6 @@ class _Collector:
     def reduce_batch(self, batch: TensorBatch) -> Any:
         return self._batch(batch, detached=False)
 
-    def reduce_sourced(self, batch: SourcedBatch) -> Any:
-        return self._batch(batch.checked(), detached=True)
-
     def _batch(self, tensors: list[torch.Tensor], *, detached: bool) -> Any:
         if not all(isinstance(t, torch.Tensor) and _stageable(t) for t in tensors):
             # Element by element (each through the dispatch table): by value where needed.
@@ -360,7 +343,6 @@ def _dispatch_table(collector: Any) -> dict[type, Any]:
     table[torch.Tensor] = collector.reduce_tensor
     table[torch.nn.Parameter] = collector.reduce_tensor
     table[TensorBatch] = collector.reduce_batch
-    table[SourcedBatch] = collector.reduce_sourced
     table[BatchedWhenPickled] = collector.reduce_state
     table[types.ModuleType] = _reduce_module
     return table
@@ -376,26 +358,47 @@ class StagedRequest:
     nbytes: int
 
 
-def dump_with(obj: Any, reducer_owner: Any) -> bytes:
-    """Pickle ``obj`` with ``reducer_owner``'s reducers for tensors and batches."""
+def dump_with(
+    obj: Any,
+    reducer_owner: Any,
+    header: tuple | None = None,
+    explicit: dict[int, int] | None = None,
+) -> bytes:
+    """Pickle ``header`` (the explicit sources' descriptors and rebuild calls, see
+    :func:`stage`), then ``obj``, with ``reducer_owner``'s reducers for tensors and batches;
+    an object whose id is in ``explicit`` is pickled as that source's index."""
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table = _dispatch_table(reducer_owner)
+    pickler.dump(header)
+    if explicit:
+        pickler.persistent_id = lambda o: explicit.get(id(o))  # type: ignore[method-assign]
     pickler.dump(obj)
     return buf.getvalue()
 
 
-def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
-    """Pickle ``obj`` with tensors as descriptors, naming ``what`` on failure; on
-    :class:`MetTwice` it is pickled again unbatched.
+def collect_descriptors(
+    obj: Any,
+    what: str,
+    header: tuple | None = None,
+    explicit: dict[int, int] | None = None,
+    collector: _Collector | None = None,
+) -> tuple[bytes, _Collector]:
+    """Pickle ``obj`` with tensors as descriptors (see :func:`dump_with`), naming ``what`` on
+    failure; on :class:`MetTwice` it is pickled again unbatched.
     """
-    collector = _Collector()
+    if collector is None:
+        collector = _Collector()
+    fresh = (len(collector.slots), len(collector.tensors), dict(collector.slot_of))
     try:
         try:
-            payload = dump_with(obj, collector)
+            payload = dump_with(obj, collector, header, explicit)
         except MetTwice:
-            collector = _Collector(batch_dicts=False)
-            payload = dump_with(obj, collector)
+            retry = _Collector(batch_dicts=False)
+            retry.slots, retry.tensors = collector.slots[: fresh[0]], collector.tensors[: fresh[1]]
+            retry.slot_of = fresh[2]
+            collector = retry
+            payload = dump_with(obj, collector, header, explicit)
     except CheckpointingException:
         raise  # ours (e.g. a write item resolved late to a non-tensor) say what happened
     except Exception as exc:
@@ -405,6 +408,125 @@ def collect_descriptors(obj: Any, what: str) -> tuple[bytes, _Collector]:
             "arguments, or functools.partial of them."
         ) from exc
     return payload, collector
+
+
+# -- explicit sources: a skeleton and a flat list of tensors --------------------------------
+
+
+@dataclass(frozen=True)
+class StagingPart:
+    """What an explicit source hands staging. The worker gets the object back as
+    ``rebuild(*args, tensors)``, ``tensors`` rebuilt over the arena (detached), in this order.
+
+    ``key``: an object that stays the same while the tensors' descriptions do (the DCP flow's
+    per-plan skeleton), so that a save with the same key re-checks only where the bytes lie;
+    ``checked``: the key also vouches for every tensor's dtype, shape and bits (else they are
+    checked too, :class:`._structure.TensorCheck`).
+    """
+
+    rebuild: Callable[..., Any]
+    args: tuple
+    tensors: list[torch.Tensor]
+    key: object
+    checked: bool
+    # The part with every per-tensor check of its source, if ``tensors`` skipped them: used
+    # unless the cache hits, as a layout equal to a full staging's implies those checks.
+    full: Callable[[], StagingPart] | None = None
+
+
+class StagingSource:
+    """A request argument that hands staging explicit data (:meth:`staging_part`) instead of
+    being pickled; pickled by anything else it is the object the worker would rebuild."""
+
+    def staging_part(self) -> StagingPart:
+        raise NotImplementedError
+
+
+def request_sources(request: Any) -> list[StagingSource]:
+    """The explicit sources among a ``(async_fn, args, kwargs, preload_fn)`` request's
+    positional arguments."""
+    if type(request) is not tuple or len(request) != 4 or type(request[1]) not in (tuple, list):
+        return []
+    return [arg for arg in request[1] if isinstance(arg, StagingSource)]
+
+
+def rebuild_parts(descriptors: bytes, calls: list[tuple[Callable[..., Any], tuple, int]]) -> list:
+    """Worker side: each explicit source's object, rebuilt over the arena."""
+    tensors = rebuild_batch(descriptors)
+    built = []
+    start = 0
+    for rebuild, args, count in calls:
+        built.append(rebuild(*args, tensors[start : start + count]))
+        start += count
+    return built
+
+
+def _itself(obj: Any, tensors: list) -> Any:
+    return obj
+
+
+class _ByValue(Exception):
+    """An explicit source's tensor must be pickled by value: stage the request generically."""
+
+
+@dataclass
+class _Explicit:
+    """One staging's explicit sources: their parts, tensors and the pickle's persistent ids."""
+
+    sources: list[StagingSource]
+    parts: list[StagingPart]
+    tensors: list[torch.Tensor]
+    ids: dict[int, int]
+
+    @classmethod
+    def of(cls, sources: list[StagingSource]) -> _Explicit:
+        unique: list[StagingSource] = []
+        ids: dict[int, int] = {}
+        for source in sources:
+            if id(source) not in ids:
+                ids[id(source)] = len(unique)
+                unique.append(source)
+        parts = [source.staging_part() for source in unique]
+        tensors = [t for part in parts for t in part.tensors]
+        return cls(unique, parts, tensors, ids)
+
+    def full(self) -> _Explicit:
+        """The parts with every check (for a full staging)."""
+        if all(part.full is None for part in self.parts):
+            return self
+        parts = [part if part.full is None else part.full() for part in self.parts]
+        tensors = [t for part in parts for t in part.tensors]
+        return _Explicit(self.sources, parts, tensors, self.ids)
+
+    def by_value(self) -> _Explicit:
+        """The same sources, each pickled as the object it stands for (its tensors included,
+        through the reducers): for a tensor that cannot be described."""
+        parts = [StagingPart(_itself, (source,), [], None, False) for source in self.sources]
+        return _Explicit(self.sources, parts, [], self.ids)
+
+    @property
+    def key(self) -> tuple:
+        return tuple(part.key for part in self.parts)
+
+    @property
+    def checked(self) -> bool:
+        return all(part.checked for part in self.parts)
+
+    def header(self, descriptors: bytes) -> tuple:
+        return (descriptors, [(part.rebuild, part.args, len(part.tensors)) for part in self.parts])
+
+    def dump(
+        self, obj: Any, descriptors: bytes, what: str, collector: _Collector | None = None
+    ) -> tuple[bytes, _Collector]:
+        return collect_descriptors(obj, what, self.header(descriptors), self.ids, collector)
+
+    def describe(self, collector: _Collector) -> bytes:
+        """The tensors' descriptors (slots in ``collector``), as one blob."""
+        if not all(map(_stageable, self.tensors)):
+            raise _ByValue
+        collector.tensors.extend(self.tensors)
+        described = [collector._describe(t, detached=True) for t in self.tensors]
+        return pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _layout(slots: list[_PendingSlot]) -> tuple[Placement, tuple[Slot, ...]]:
@@ -442,27 +564,102 @@ def stage(
     threads: int = 1,
     cache: StageCache | None = None,
     order: DeviceOrder | None = None,
+    sources: list[StagingSource] | None = None,
 ) -> StagedRequest:
     """Pickle ``obj`` and copy its tensors into an arena from ``pool``.
 
-    With ``cache``, a request laid out like the previous one reuses its descriptors and copy
-    plan; otherwise it is staged fully and the cache rebuilt. ``order``: the save call's place in
-    the CUDA streams, for overlapped staging.
+    ``sources`` (:func:`request_sources`): arguments that hand their tensors explicitly; with
+    ``cache``, a save whose sources have the previous save's keys and layout reuses its
+    descriptors and copy plan. Without sources, ``cache`` lets a request laid out like the
+    previous one reuse them (:class:`._structure.StageCache`). Otherwise it is staged fully
+    and the cache rebuilt. ``order``: the save call's place in the CUDA streams, for
+    overlapped staging.
     """
+    if sources:
+        explicit = _Explicit.of(sources)
+        return _stage_explicit(obj, explicit, pool, wait_for_release, what, threads, cache, order)
     if cache is not None:
         guessed = cache.try_pickle(obj, dump_with, threads)
         if guessed is not None:
             payload, tensors = guessed
-            if not cache.slots:
-                return StagedRequest(payload, None, (), 0)
-            arena = cache.copy(pool, wait_for_release, tensors, order=order)
-            return StagedRequest(payload, arena, cache.slots, cache.total)
+            return _copy_cached(payload, cache, pool, wait_for_release, tensors, order)
     payload, collector = collect_descriptors(obj, what)
+    return _stage_full(payload, collector, pool, wait_for_release, threads, cache, order)
+
+
+def _copy_cached(
+    payload: bytes,
+    cache: StageCache,
+    pool: ArenaPool,
+    wait_for_release: Callable[[], bool],
+    tensors: list[torch.Tensor],
+    order: DeviceOrder | None,
+) -> StagedRequest:
+    if not cache.slots:
+        return StagedRequest(payload, None, (), 0)
+    arena = cache.copy(pool, wait_for_release, tensors, order=order)
+    return StagedRequest(payload, arena, cache.slots, cache.total)
+
+
+def _stage_explicit(
+    obj: Any,
+    explicit: _Explicit,
+    pool: ArenaPool,
+    wait_for_release: Callable[[], bool],
+    what: str,
+    threads: int,
+    cache: StageCache | None,
+    order: DeviceOrder | None,
+) -> StagedRequest:
+    """Stage ``obj`` with its explicit sources (by value if a tensor cannot be described)."""
+    if cache is not None:
+        descriptors = cache.explicit_hit(explicit.key, explicit.tensors, threads, explicit.checked)
+        if descriptors is not None:
+            payload, rest = explicit.dump(obj, descriptors, what)
+            if not rest.tensors:  # nothing else in the request to stage
+                return _copy_cached(payload, cache, pool, wait_for_release, explicit.tensors, order)
+    explicit = explicit.full()
+    collector = _Collector()
+    try:
+        descriptors = explicit.describe(collector)
+    except _ByValue:
+        explicit = explicit.by_value()
+        collector = _Collector()
+        descriptors = explicit.describe(collector)
+    payload, collector = explicit.dump(obj, descriptors, what, collector)
+    remember = None
+    if cache is not None:
+        remember = functools.partial(
+            cache.remember_explicit,
+            explicit.key,
+            explicit.checked,
+            descriptors,
+            reusable=bool(explicit.tensors)
+            and collector.reusable
+            and len(collector.tensors) == len(explicit.tensors),
+        )
+    return _stage_full(payload, collector, pool, wait_for_release, threads, cache, order, remember)
+
+
+def _stage_full(
+    payload: bytes,
+    collector: _Collector,
+    pool: ArenaPool,
+    wait_for_release: Callable[[], bool],
+    threads: int,
+    cache: StageCache | None,
+    order: DeviceOrder | None,
+    remember: Callable[..., None] | None = None,
+) -> StagedRequest:
+    """Place ``collector``'s slots, remember the plan in ``cache`` and copy."""
     placement, slots = _layout(collector.slots)
     total = placement.total
     device = _device_plan(collector, slots)
     if cache is not None:
-        _remember(cache, collector, slots, placement, device, threads)
+        if remember is None:
+            _remember(cache, collector, slots, placement, device, threads)
+        else:
+            remember(collector.tensors, slots, list(placement.runs), device, total, threads)
     if not slots:
         return StagedRequest(payload, None, (), 0)
     if cache is not None and cache.planned_for(slots):
@@ -511,12 +708,41 @@ def _remember(
 
 
 def prime(
-    obj: Any, cache: StageCache, threads: int, what: str = "the warm-up state"
+    obj: Any,
+    cache: StageCache,
+    threads: int,
+    what: str = "the warm-up state",
+    sources: list[StagingSource] | None = None,
 ) -> tuple[int, list[torch.Tensor]]:
     """Fill ``cache`` as a full staging of ``obj`` would, copying nothing; the arena bytes needed
     and the tensors in the cache's order. A later request with the same tensors laid out alike
     then takes the fast path from its first save.
     """
+    if sources:
+        explicit = _Explicit.of(sources).full()
+        collector = _Collector()
+        try:
+            descriptors = explicit.describe(collector)
+        except _ByValue:
+            cache.clear()
+            return 0, []
+        else:
+            _, collector = explicit.dump(obj, descriptors, what, collector)
+            placement, slots = _layout(collector.slots)
+            cache.remember_explicit(
+                explicit.key,
+                explicit.checked,
+                descriptors,
+                collector.tensors,
+                slots,
+                list(placement.runs),
+                _device_plan(collector, slots),
+                placement.total,
+                threads,
+                reusable=collector.reusable and len(collector.tensors) == len(explicit.tensors),
+                counted=False,
+            )
+            return placement.total, collector.tensors
     _, collector = collect_descriptors(obj, what)
     placement, slots = _layout(collector.slots)
     device = _device_plan(collector, slots)
@@ -575,7 +801,11 @@ def unstage(payload: bytes, arena: Arena | None, slots: tuple[Slot, ...]) -> Any
     _unstaging.arena, _unstaging.slots, _unstaging.storages = arena, slots, {}
     try:
         # Finds the trainer's __main__ names, importing that module only if asked to.
-        obj = MainAwareUnpickler(io.BytesIO(payload)).load()
+        unpickler = MainAwareUnpickler(io.BytesIO(payload))
+        header = unpickler.load()
+        if header is not None:  # the explicit sources, named in the request by index
+            unpickler.persistent_load = rebuild_parts(*header).__getitem__  # type: ignore[method-assign]
+        obj = unpickler.load()
     except BaseException:
         pending_sparse_tensors().clear()
         raise

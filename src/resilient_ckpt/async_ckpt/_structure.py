@@ -36,6 +36,11 @@ request's non-tensor part is pickled afresh every save. Any difference falls bac
 path, which rebuilds the cache. Only requests whose tensors are all strided are cached
 (by-value tensors would repeat stale values); the cache holds no tensor, only the layouts and
 the plans.
+
+A request with explicit sources (``_staging.StagingPart``, the async DCP writer's) is not
+replayed: its sources' keys (the per-plan skeleton, which the plan cache's hit stands for)
+say whether its tensors are described as at the previous save, so a steady save compares
+only where their bytes lie and their strides (:func:`explicit_layout`), once.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ from ._copy import (
 from ._protocol import Slot
 
 if TYPE_CHECKING:  # _staging imports this module
-    from ._staging import BatchedWhenPickled, SourcedBatch
+    from ._staging import BatchedWhenPickled
 
 logger = get_logger(__name__)
 
@@ -138,6 +143,12 @@ def storage_layout(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
         list(map(torch.UntypedStorage.data_ptr, storages)),
         list(map(torch.UntypedStorage.nbytes, storages)),
     )
+
+
+def explicit_layout(tensors: Sequence[torch.Tensor]) -> tuple[list, ...]:
+    """:func:`storage_layout` and each tensor's stride: what an explicit source's staging
+    depends on besides what its key vouches for (dtype, shape)."""
+    return (*storage_layout(tensors), list(map(torch.Tensor.stride, tensors)))
 
 
 # -- the structure ----------------------------------------------------------------------------
@@ -411,12 +422,6 @@ class _Guess:
         self.tensors.extend(batch)
         return self._next(len(batch))
 
-    def reduce_sourced(self, batch: SourcedBatch) -> Any:
-        # The quick lookup is safe here: this pickle is used only if the layouts match
-        # a full staging's, which ran the batch's checks (see SourcedBatch).
-        tensors = batch.quick()
-        return self.reduce_batch(batch.checked() if tensors is None else tensors)
-
 
 class StageCache:
     """One queue's memory of its previous staged request (see the module docstring).
@@ -435,6 +440,9 @@ class StageCache:
         self._threads = 0
         self._shares: list[list[Segment]] = []
         self._device = NO_DEVICE
+        # For a request with explicit sources: their keys and tensors' descriptors.
+        self._key: tuple | None = None
+        self._descriptors = b""
         self.hits = 0
         self.misses = 0
 
@@ -445,6 +453,79 @@ class StageCache:
         self._storage = ()
         self._shares = []
         self._device = NO_DEVICE
+        self._key = None
+        self._descriptors = b""
+
+    def _keep_plan(
+        self,
+        storage: tuple[list, ...],
+        slots: tuple[Slot, ...],
+        host: list[Segment],
+        device: DevicePlan,
+        total: int,
+        threads: int,
+    ) -> None:
+        self._storage = storage
+        self._slots = slots
+        self._total = total
+        self._threads = threads
+        self._shares = plan_shares(host, threads)
+        self._device = device
+
+    def remember_explicit(
+        self,
+        key: tuple,
+        checked: bool,
+        descriptors: bytes,
+        tensors: list[torch.Tensor],
+        slots: tuple[Slot, ...],
+        host: list[Segment],
+        device: DevicePlan,
+        total: int,
+        threads: int,
+        *,
+        reusable: bool,
+        counted: bool = True,
+    ) -> None:
+        """After a full staging of a request with explicit sources (``_staging.StagingPart``):
+        keep, under their ``key``, the descriptors and copy plan of their ``tensors``.
+        ``checked``: the key vouches for the tensors' descriptions, so only where their bytes
+        lie is compared at the next save; else their descriptions too. ``reusable``: the
+        request held no other tensor, and every one was described."""
+        self.misses += int(counted)
+        self.clear()
+        if not reusable:
+            return
+        try:
+            check = None if checked else TensorCheck(tensors)
+            storage = explicit_layout(tensors)
+        except Exception as exc:  # an exotic tensor: never reuse, stage fully
+            logger.debug("staging cache disabled for this request: %r", exc)
+            return
+        self._key = key
+        self._check = check
+        self._descriptors = descriptors
+        self._keep_plan(storage, slots, host, device, total, threads)
+
+    def explicit_hit(
+        self, key: tuple, tensors: list[torch.Tensor], threads: int, checked: bool
+    ) -> bytes | None:
+        """The cached descriptors if explicit sources with ``key`` hand ``tensors`` laid out as
+        at the previous save (one check of where their bytes lie), else None."""
+        if self._key is None or key != self._key or threads != self._threads:
+            return None
+        check = self._check
+        if check is None and not checked:
+            return None
+        try:
+            if check is not None and not check.matches(tensors):
+                return None
+            if explicit_layout(tensors) != self._storage:
+                return None
+        except Exception:  # a tensor without a strided storage: the full path reports it
+            return None
+        self.hits += 1
+        return self._descriptors
 
     def remember(
         self,
@@ -480,16 +561,12 @@ class StageCache:
             logger.debug("staging cache disabled for this request: %r", exc)
             self.clear()
             return
+        self._key = None
         self._reduced = list(reduced)
         self._counts = list(counts)
         self._batch_dicts = batch_dicts
         self._check = check
-        self._storage = storage
-        self._slots = slots
-        self._total = total
-        self._threads = threads
-        self._shares = plan_shares(host, threads)
-        self._device = device
+        self._keep_plan(storage, slots, host, device, total, threads)
 
     def try_pickle(
         self, obj: Any, dump: Callable[[Any, Any], bytes], threads: int
@@ -516,7 +593,7 @@ class StageCache:
     def planned_for(self, slots: tuple[Slot, ...]) -> bool:
         """Whether the cache holds the copy plan of the staging that laid out ``slots``
         (just remembered)."""
-        return self._reduced is not None and self._slots is slots
+        return (self._reduced is not None or self._key is not None) and self._slots is slots
 
     @property
     def slots(self) -> tuple[Slot, ...]:
@@ -532,7 +609,7 @@ class StageCache:
         ``tensors``: those the cache was filled from, in its order."""
         if (
             tensors
-            and self._reduced is not None
+            and (self._reduced is not None or self._key is not None)
             and self._device.slots
             and arena.nbytes >= self._total
         ):

@@ -75,7 +75,7 @@ from ..storage import PosixBackend, get_backend
 from ..storage.base import is_msc_url
 from ..storage.commit import RecordCommit
 from ..storage.posix import probe_writable
-from ._dcp_buckets import build_buckets, host_buckets
+from ._dcp_buckets import WritePayload, buckets_of, build_buckets, host_buckets
 from ._dcp_write import (
     FileRecord,
     WriteBucket,
@@ -305,7 +305,7 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
         self.is_coordinator = False
         self.rank: int | None = getattr(self, "rank", None)
         self.use_collectives: bool = getattr(self, "use_collectives", True)
-        self.write_buckets: list[WriteBucket] | None = None
+        self._payload: Any = None  # a WritePayload until handed out (or planned, if deferred)
         self.written_files: dict[str, tuple[int, int]] = {}
         self._job: WriteJob | None = None
         self._expected_files: list[str] | None = None
@@ -314,6 +314,19 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
         self._deferred = False
         self._plan_step: PlanStep | None = None
         self._planning = False
+
+    @property
+    def write_buckets(self) -> list[WriteBucket] | None:
+        """The prepared save's write buckets until they are handed out (NVRx's attribute): plain
+        ``(path, name, (bytes_data, [(item, tensor), ...]))`` tuples, each tensor a new detached
+        one; None once handed out, and for a deferred save until its planning ran."""
+        if isinstance(self._payload, WritePayload):
+            return self._payload.buckets()
+        return self._payload  # type: ignore[no-any-return]
+
+    @write_buckets.setter
+    def write_buckets(self, value: Any) -> None:
+        self._payload = value
 
     @property
     def has_data_to_write(self) -> bool:
@@ -383,7 +396,7 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             single_file_per_rank=self.single_file_per_rank,
             separation_hint=self.separation_hint,
         )
-        self._expected_files = [name for _, name, _ in buckets]
+        self._expected_files = buckets.names
         self.write_buckets = buckets
         if self._planning:
             # A deferred save's planning, which returns the buckets: its save function
@@ -416,7 +429,7 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             plan()
         finally:  # the buckets are the planning's to return, never the writer's to hand out
             self._planning = False
-            buckets, self.write_buckets = self.write_buckets, None
+            buckets, self._payload = self._payload, None
         if buckets is None:
             raise InvalidRequestError(
                 f"the planning of the DCP save to {self.checkpoint_dir!r} prepared no write"
@@ -455,8 +468,8 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             step, self._plan_step = self._plan_step, None
             if step is not None:
                 return save_fn, step, [self._job.rank, None]
-        elif self.write_buckets is not None:
-            buckets, self.write_buckets = self.write_buckets, None
+        elif self._payload is not None:
+            buckets, self._payload = self._payload, None
             preload_fn = functools.partial(type(self).preload_tensors, buckets, True)
             return save_fn, preload_fn, [self._job.rank, buckets]
         raise FrozenRequestError(
@@ -481,8 +494,10 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
     def write_preloaded_data_multithread(
         cls, job: WriteJob, rank: int, write_buckets: list[WriteBucket]
     ) -> None:
-        """Background entry point: write every bucket with ``job.thread_count`` threads."""
-        run_write_job(job, write_buckets, functools.partial(cls.write_preloaded_data, job))
+        """Background entry point: write every bucket with ``job.thread_count`` threads
+        (``write_buckets`` may also be the payload itself, called without ``preload_fn``)."""
+        buckets = buckets_of(write_buckets)
+        run_write_job(job, buckets, functools.partial(cls.write_preloaded_data, job))
 
     @classmethod
     def write_preloaded_data(cls, job: WriteJob, write_bucket: WriteBucket) -> FileRecord:
@@ -521,7 +536,7 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             raise CheckpointWriteError(what, rank=self._rank())
         # A save function was handed out (the payload is gone) iff a report will come: a
         # deferred save's always, even when its planning gave this rank nothing to write.
-        handed_out = self.write_buckets is None and self._plan_step is None
+        handed_out = self._payload is None and self._plan_step is None
         if self._job is None or not (self._expected_files or handed_out):
             return []
         report = take_report(self._job)

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .._logging import get_logger
+from ..async_ckpt._dcp_buckets import file_names
 from ..async_ckpt._dcp_write import (
     FileRecord,
     WriteBucket,
@@ -118,7 +119,7 @@ class DurableCopyWriter(FileSystemWriterAsync):
         """Take the memory writer's planned files (names only: the payload stays with the
         request) and make this tier's job from the memory job."""
         self.write_buckets = None
-        self._expected_files = [name for _, name, _ in buckets]
+        self._expected_files = file_names(buckets)
         self._job = None
         if memory_job is not None:
             self._job = dataclasses.replace(

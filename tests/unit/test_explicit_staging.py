@@ -1,7 +1,8 @@
-"""The async DCP writer's buckets are staged without detaching their tensors (issue 13): a
-``SourcedBatch`` is described as the detached tensors would be, found with its checks for a
-full staging and by a quick lookup only when the staging cache may hit, whose layout-key
-comparison then stands for the checks."""
+"""Staging takes explicit data (issue 46): a request argument that is a ``StagingSource``
+hands staging a skeleton and a flat list of tensors, which the worker gets back rebuilt over
+the arena, detached, with the sharing of storages kept; the async DCP writer's buckets are
+staged that way, each save holding its call's values, a view into a larger storage staged
+as its own bytes."""
 
 from __future__ import annotations
 
@@ -12,8 +13,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resilient_ckpt._torch_compat import no_dist_kwargs
-from resilient_ckpt.async_ckpt import _dcp_buckets, _persistent
-from resilient_ckpt.async_ckpt._staging import ArenaPool, SourcedBatch, stage, unstage
+from resilient_ckpt.async_ckpt import _persistent
+from resilient_ckpt.async_ckpt._staging import (
+    ArenaPool,
+    StagingPart,
+    StagingSource,
+    request_sources,
+    stage,
+    unstage,
+)
 from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
@@ -30,40 +38,37 @@ def _never() -> bool:
     return False
 
 
-class _Sources:
-    """A batch owner that counts how it was asked for its tensors."""
+class _Source(StagingSource):
+    """An explicit source: its tensors, rebuilt in the worker as a list."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], key: object) -> None:
         self.tensors = tensors
-        self.calls: list[str] = []
+        self.key = key
 
-    def checked(self) -> list[torch.Tensor]:
-        self.calls.append("checked")
-        return list(self.tensors)
-
-    def quick(self) -> list[torch.Tensor]:
-        self.calls.append("quick")
-        return list(self.tensors)
+    def staging_part(self) -> StagingPart:
+        return StagingPart(_as_list, ("tag",), list(self.tensors), self.key, checked=False)
 
 
-def test_a_sourced_batch_is_staged_as_detached_tensors_and_checked_only_when_staged_fully():
+def _as_list(tag: str, tensors: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
+    return tag, tensors
+
+
+def test_an_explicit_source_is_staged_as_detached_tensors_with_its_sharing_kept():
     pool = ArenaPool(1)
     cache = StageCache()
     base = torch.arange(12, dtype=torch.float32)
-    sources = _Sources([torch.nn.Parameter(torch.ones(3)), base, base[2:6], torch.full((2,), 5.0)])
+    source = _Source([torch.nn.Parameter(torch.ones(3)), base, base[2:6], torch.full((2,), 5.0)], 1)
     # Save 1 is a full staging; 2 meets the same layout; 3 has a tensor of another shape.
     for n in range(3):
         if n == 2:
-            sources.tensors[3] = torch.full((4,), 6.0)
-        expected = [t.detach().clone() for t in sources.tensors]
-        sources.calls.clear()
-        staged = stage(
-            ("fn", SourcedBatch(sources.checked, sources.quick)), pool, _never, cache=cache
-        )
-        assert sources.calls == [["checked"], ["quick"], ["quick", "checked"]][n], f"save {n}"
-        for t in sources.tensors:
+            source.tensors[3] = torch.full((4,), 6.0)
+        expected = [t.detach().clone() for t in source.tensors]
+        request = ("fn", (0, source, "other"), None, None)
+        staged = stage(request, pool, _never, cache=cache, sources=request_sources(request))
+        for t in source.tensors:
             t.data.add_(100)  # training goes on after the call
-        _, got = unstage(staged.payload, staged.arena, staged.slots)
+        fn, (_, (tag, got), other), _, _ = unstage(staged.payload, staged.arena, staged.slots)
+        assert (fn, tag, other) == ("fn", "tag", "other")
         assert type(got) is list and len(got) == len(expected)
         for want, have in zip(expected, got, strict=True):
             assert type(have) is torch.Tensor and not have.requires_grad
@@ -72,8 +77,18 @@ def test_a_sourced_batch_is_staged_as_detached_tensors_and_checked_only_when_sta
         assert got[1].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
         del got
         pool.release(staged.arena.arena_id)
-        for t in sources.tensors:
+        for t in source.tensors:
             t.data.sub_(100)
+    pool.close()
+
+
+def test_an_explicit_source_with_a_conjugate_tensor_is_staged_by_value():
+    pool = ArenaPool(1)
+    source = _Source([torch.ones(2), torch.tensor([1 + 2j, 3 - 1j]).conj()], 1)
+    request = ("fn", (0, source), None, None)
+    staged = stage(request, pool, _never, cache=StageCache(), sources=request_sources(request))
+    _, (_, got), _, _ = unstage(staged.payload, staged.arena, staged.slots)
+    assert isinstance(got, _Source) and torch.equal(got.tensors[1], source.tensors[1])
     pool.close()
 
 
@@ -87,9 +102,9 @@ def _save(queue: AsyncCallsQueue, state: dict, path, cache: CheckpointMetadataCa
     queue.schedule_async_request(AsyncRequest(save_fn, args, finalize, preload_fn=preload_fn))
 
 
-def _saves(tmp_path, state: dict, monkeypatch, count: int = 3) -> tuple[list[str], int]:
+def _saves(tmp_path, state: dict, monkeypatch, count: int = 3) -> int:
     """Save ``state`` ``count`` times, changing its values after each call; check each
-    checkpoint; how the buckets were resolved, and the most bytes one save staged."""
+    checkpoint; the most bytes one save staged."""
     staged_bytes: list[int] = []
 
     def sized(*args, **kwargs):
@@ -98,15 +113,6 @@ def _saves(tmp_path, state: dict, monkeypatch, count: int = 3) -> tuple[list[str
         return staged
 
     monkeypatch.setattr(_persistent, "stage", sized)
-    calls: list[str] = []
-    for name in ("resolve_sources", "quick_sources"):
-        original = getattr(_dcp_buckets, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(_dcp_buckets, name, counted)
     queue = AsyncCallsQueue()
     cache = CheckpointMetadataCache()
     try:
@@ -121,27 +127,20 @@ def _saves(tmp_path, state: dict, monkeypatch, count: int = 3) -> tuple[list[str
             for key, value in expected.items():
                 assert torch.equal(loaded[key], value), (n, key)
         assert len(staged_bytes) == count, staged_bytes
-        return calls, max(staged_bytes)
+        return max(staged_bytes)
     finally:
         queue.close()
 
 
-def test_dcp_steady_saves_stage_the_state_by_the_quick_lookup(tmp_path, monkeypatch) -> None:
+def test_dcp_steady_saves_hold_each_calls_values(tmp_path, monkeypatch) -> None:
     state = {f"w{i}": torch.randn(16 + i) for i in range(5)}
     state["param"] = torch.nn.Parameter(torch.ones(3))
     state["step"] = 1
-    calls, _ = _saves(tmp_path, state, monkeypatch)
-    # One bucket per thread; a full staging checks, a steady one only looks up.
-    assert calls == ["resolve_sources"] * 2 + ["quick_sources"] * 4
+    _saves(tmp_path, state, monkeypatch)
 
 
-def test_dcp_view_into_a_larger_storage_is_never_staged_by_the_quick_lookup(
-    tmp_path, monkeypatch
-) -> None:
+def test_dcp_view_into_a_larger_storage_is_staged_as_its_own_bytes(tmp_path, monkeypatch) -> None:
     big = torch.arange(1000, dtype=torch.float32)
     state = {"view": big[10:20], "w": torch.randn(8)}
-    calls, staged = _saves(tmp_path, state, monkeypatch)
-    # The view is cloned (its 40 bytes staged, not the 4000 of its base), a fresh storage
-    # every save, so the quick lookup (the raw view) never matches the layout.
-    assert staged < 1000, staged
-    assert "quick_sources" in calls and calls.count("resolve_sources") >= 3
+    # The view is cloned every save: its 40 bytes staged, not the 4000 of its base.
+    assert _saves(tmp_path, state, monkeypatch) < 1000
