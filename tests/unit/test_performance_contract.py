@@ -61,6 +61,11 @@ def _counts(cache) -> tuple[int, int]:
     return cache.hits, cache.misses
 
 
+def _dcp_save_finalized(queue, state, path, cache) -> None:
+    steady._dcp_save(queue, state, path, cache)
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+
+
 # -- the DCP plan cache ---------------------------------------------------------------------
 
 
@@ -71,14 +76,12 @@ def test_a_steady_dcp_save_reuses_the_plan_and_every_structure_change_replans(tm
     queue = AsyncCallsQueue()
     state = steady._dcp_state()
     try:
-        steady._dcp_save(queue, state, tmp_path / "first", cache)
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _dcp_save_finalized(queue, state, tmp_path / "first", cache)
         assert _counts(cache) == (0, 1)
         for n, (what, change, reusable) in enumerate(steady.DCP_CHANGES):
             change(state)
             hits, misses = _counts(cache)
-            steady._dcp_save(queue, state, tmp_path / f"d{n}", cache)
-            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            _dcp_save_finalized(queue, state, tmp_path / f"d{n}", cache)
             assert _counts(cache) == (hits + reusable, misses + (not reusable)), what
     finally:
         queue.close()
@@ -97,14 +100,12 @@ def test_a_dcp_save_restages_in_full_exactly_when_its_plan_changed(tmp_path) -> 
     queue = AsyncCallsQueue()
     state = steady._dcp_state()
     try:
-        steady._dcp_save(queue, state, tmp_path / "first", cache)
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _dcp_save_finalized(queue, state, tmp_path / "first", cache)
         staging = queue.persistent_caller.stage_cache
         for n, (what, change, reusable) in enumerate(steady.DCP_CHANGES):
             change(state)
             hits = staging.hits
-            steady._dcp_save(queue, state, tmp_path / f"d{n}", cache)
-            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            _dcp_save_finalized(queue, state, tmp_path / f"d{n}", cache)
             if what not in _MOVED:
                 assert staging.hits == hits + reusable, what
     finally:
@@ -131,8 +132,7 @@ def test_a_model_and_optimizer_state_is_planned_at_its_first_save_only(tmp_path)
             optim.param_groups[0]["lr"] *= 0.5
             model_sd, optim_sd = get_state_dict(model, optim)
             state = {"model": model_sd, "optim": optim_sd, "step": n}
-            steady._dcp_save(queue, state, tmp_path / f"s{n}", cache)
-            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            _dcp_save_finalized(queue, state, tmp_path / f"s{n}", cache)
             assert _counts(cache) == (n, 1), n
         assert _counts(queue.persistent_caller.stage_cache) == (2, 1)
     finally:
@@ -180,8 +180,7 @@ def test_warmup_async_save_plans_and_stages_ahead_of_the_first_save(tmp_path) ->
         assert _counts(cache) == (0, 1)
         for value in state.values():
             value.add_(1)
-        steady._dcp_save(queue, state, tmp_path / "first", cache)
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _dcp_save_finalized(queue, state, tmp_path / "first", cache)
         assert _counts(cache) == (1, 1)
         assert _counts(queue.persistent_caller.stage_cache) == (1, 0)
     finally:

@@ -397,7 +397,7 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             separation_hint=self.separation_hint,
         )
         self._expected_files = buckets.names
-        self.write_buckets = buckets
+        self._payload = buckets
         if self._planning:
             # A deferred save's planning, which returns the buckets: its save function
             # (bound to its job) was handed out already.
@@ -419,7 +419,7 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             type(self).preload_tensors,
             f"the DCP save to {self.checkpoint_dir!r}",
         )
-        self.write_buckets = None
+        self._payload = None
         self._expected_files = None
         self.written_files = {}
 
@@ -582,7 +582,7 @@ class FileSystemWriterAsync(WriterNames, FileSystemWriter):
             self._backend = get_backend(
                 self.checkpoint_dir, use_msc=self.use_msc, retry=self.retry_policy
             )
-        self.write_buckets = None
+        self._payload = None
         self._expected_files = None
         self.written_files = {}
         self._job = None

@@ -118,7 +118,7 @@ class DurableCopyWriter(FileSystemWriterAsync):
     def adopt(self, memory_job: WriteJob | None, buckets: list[WriteBucket]) -> None:
         """Take the memory writer's planned files (names only: the payload stays with the
         request) and make this tier's job from the memory job."""
-        self.write_buckets = None
+        self._payload = None
         self._expected_files = file_names(buckets)
         self._job = None
         if memory_job is not None:
