@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resilient_ckpt.async_ckpt import _copy, _staging
-from resilient_ckpt.async_ckpt._staging import ArenaPool, TensorBatch, stage, unstage
+from resilient_ckpt.async_ckpt._staging import ArenaPool, stage, unstage
 from resilient_ckpt.async_ckpt._structure import StageCache
 from resilient_ckpt.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from resilient_ckpt.async_ckpt.filesystem_async import FileSystemWriterAsync
@@ -155,15 +155,15 @@ def test_device_copies_hold_each_saves_values_and_fill_each_slot_as_planned(monk
         pool.release(staged.arena.arena_id)
     pool.close()
 
-    collector = _staging.collect_descriptors(state, "state")[1]
+    staging = _staging._Plan.of(state, _staging._Explicit.of([]), "state")
     plan = _copy.plan_device_copies(
-        collector.tensors,
-        collector.slot_of,
-        [(0, s.nbytes) for s in collector.slots],
-        [s.host for s in collector.slots],
+        staging.tensors,
+        staging.slots.slot_of,
+        [(0, s.nbytes) for s in staging.slots.pending],
+        [s.host for s in staging.slots.pending],
     )
     # In slot order (w, view/base, t, h): who fills each slot, and how.
-    filled = [(collector.tensors[e.source], e.whole) for e in plan.slots]
+    filled = [(staging.tensors[e.source], e.whole) for e in plan.slots]
     assert [(t is state[k], whole) for (t, whole), k in zip(filled, "wbth", strict=True)] == [
         (True, True),
         (True, True),
@@ -189,11 +189,11 @@ def test_tensors_pickled_by_value_are_staged_with_each_saves_values() -> None:
     pool.close()
 
 
-def _batches(split: int, tensors: list) -> tuple:
-    return ("fn", TensorBatch(tensors[:split]), TensorBatch(tensors[split:]), tensors[0])
+def _lists(split: int, tensors: list) -> tuple:
+    return ("fn", tensors[:split], tensors[split:], tensors[0])
 
 
-def test_tensor_batches_stage_as_one_call_however_they_are_split() -> None:
+def test_lists_of_tensors_stage_alike_however_they_are_split() -> None:
     pool = ArenaPool(1)
     cache = StageCache()
     base = torch.arange(12, dtype=torch.float32)
@@ -203,7 +203,7 @@ def test_tensor_batches_stage_as_one_call_however_they_are_split() -> None:
     # Saves 2 and 4 meet the layout of the save before; 3 splits the same tensors otherwise.
     for n, split in enumerate((2, 2, 3, 3)):
         expected = [t.detach().clone() for t in tensors]
-        staged = stage(_batches(split, tensors), pool, _never, cache=cache)
+        staged = stage(_lists(split, tensors), pool, _never, cache=cache)
         sizes.append(len(staged.payload))
         for t in tensors:
             t.data.add_(100)  # training goes on after the call
@@ -213,25 +213,24 @@ def test_tensor_batches_stage_as_one_call_however_they_are_split() -> None:
         for want, have, source in zip(expected, got, tensors, strict=True):
             assert torch.equal(want, have.detach()) and have.stride() == source.stride(), n
             assert type(have) is type(source) and have.requires_grad == source.requires_grad
-        # A view shares its base's slot; the tensor met again outside the batch too.
+        # A view shares its base's slot; the tensor met again is the same object.
         assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
-        assert single.untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()
+        assert single is got[0]
         assert got[0].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
         del first, second, single, got
         pool.release(staged.arena.arena_id)
         for t in tensors:
             t.data.sub_(100)
-    # The descriptors travel as one blob per batch: a batched request is not larger.
     assert sizes[0] == sizes[1]
     pool.close()
 
 
-def test_a_batch_with_a_tensor_by_value_is_staged_element_by_element() -> None:
+def test_a_list_with_a_tensor_by_value_is_staged() -> None:
     pool = ArenaPool(1)
     cache = StageCache()
     for i in range(2):
-        batch = TensorBatch([torch.ones(4) * i, torch.eye(3).to_sparse() * i])
-        staged = stage(batch, pool, _never, cache=cache)
+        tensors = [torch.ones(4) * i, torch.eye(3).to_sparse() * i]
+        staged = stage(tensors, pool, _never, cache=cache)
         dense, sparse = unstage(staged.payload, staged.arena, staged.slots)
         assert torch.equal(dense, torch.ones(4) * i)
         assert torch.equal(sparse.to_dense(), torch.eye(3) * i)

@@ -13,7 +13,7 @@ explicit data (:class:`WritePayload`).
   pickled items, and the source tensors in item order, keyed by the per-plan skeleton; the
   worker pairs them again into plain buckets (:func:`rebuild_buckets`). The skeleton is the
   answer to "same as the last save?": while it is the same, the staging cache re-checks only
-  where the tensors' bytes lie (:meth:`._structure.StageCache.explicit_hit`).
+  where the tensors' bytes lie (:meth:`._structure.StageCache.hit`).
 * **The writer owns what it writes.** Read in the trainer (NVRx's readers, ``preload_fn``,
   a fork or ``execute_sync``), the buckets hold a *new* detached tensor per item, so their
   tensors die with the write (NVRx's tests hold weak references to them); staging reads the
@@ -50,7 +50,8 @@ from .._torch_compat import DTensor, Replicate, Shard
 from .._unpicklable import describe_unpicklable
 from ..errors import CheckpointingException, ConfigurationError, InvalidRequestError
 from ._dcp_write import BytesData, WriteBucket
-from ._staging import PLAIN_TENSOR_TYPES, StagingPart, StagingSource
+from ._staging import StagingPart, StagingSource
+from ._structure import PLAIN_TENSOR_TYPES
 
 _CACHE_SIZE = 4
 

@@ -6,25 +6,26 @@ and worker (:mod:`._arena`). When ``schedule_async_request`` returns the checkpo
 fixed and training may change its tensors. Arenas are pooled and reused for every save whose
 bytes fit, so in steady state no segment is created per save and host memory does not grow.
 
-Trainer side: each tensor becomes a descriptor (slot, dtype, size, stride, offset). Slots are
-keyed by *storage*, so views and tied weights stay shared exactly as ``torch.save`` would see
-them. :mod:`._copy` fills the slots; :mod:`._structure` lets a save laid out like the
-previous one reuse its descriptors and copy plan. Worker side, :func:`unstage` rebuilds each
-descriptor as a tensor over its slot.
+Trainer side: staging takes a *skeleton* and a *flat list of tensors*. Each tensor becomes a
+descriptor (slot, dtype, size, stride, offset), all of them one blob; slots are keyed by
+*storage*, so views and tied weights stay shared exactly as ``torch.save`` would see them.
+:mod:`._copy` fills the slots; :class:`._structure.StageCache` lets a save whose tensors are
+laid out as the previous one's reuse its descriptors and copy plan. The payload is two
+pickles: the header (the descriptors and the explicit sources' rebuild calls), then the
+skeleton. Worker side, :func:`unstage` rebuilds every tensor over its slot, then the
+explicit sources, then the skeleton.
 
 * **Explicit sources.** A request argument that is a :class:`StagingSource` (the async DCP
-  writer's payload) is not pickled: it hands staging a :class:`StagingPart`, a skeleton (a
-  rebuild call and its arguments) and a flat list of tensors, described in one blob; the
-  request names it by index (``persistent_id``, set only for such requests, whose other
-  objects are few). The payload is two pickles in one stream, the parts (descriptors and
-  rebuild calls), then the request, so the worker rebuilds each part before the request
-  that names it. The part's key tells a steady save from another one.
-* **Anything else** is pickled with a ``dispatch_table`` that reduces each strided CPU or
-  CUDA tensor to its descriptor. The C pickler consults the table only for tensor types, so
-  the cost is one Python call per tensor; a ``persistent_id`` method would be called for
-  every object pickled. Lists of tensors our own code builds, and a ``torch.save`` state's
-  dicts of tensors, travel as one blob of descriptors (:class:`TensorBatch`,
-  :class:`TensorDict`).
+  writer's payload, a local shard's layout) is not pickled: it hands staging a
+  :class:`StagingPart`, a rebuild call, its arguments and a flat list of tensors, with a key
+  (the plan it was made from) that tells a steady save from another one. The skeleton names
+  it by index (``persistent_id``, set only for such requests, whose other objects are few).
+* **Anything else** (a ``torch.save`` state, a user's request) is pickled with one
+  ``dispatch_table`` reducer that appends each strided CPU or CUDA tensor to the flat list
+  and pickles its index (:class:`_Reducer`). The C pickler consults the table only for
+  tensor types, so the cost is one Python call per tensor; a ``persistent_id`` method would
+  be called for every object pickled. Pickle memoizes each reduced tensor, so a tensor met
+  twice is one entry and one object again in the worker.
 
 Overlapped staging (``overlap_staging=True``): all of :func:`stage` runs on one background
 thread until ``wait_for_snapshot`` (:class:`PendingSnapshot`). The request's objects, not
@@ -60,7 +61,6 @@ import pickle
 import threading
 import time
 import types
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -93,146 +93,12 @@ from ._copy import (
 )
 from ._main_module import MainAwareUnpickler
 from ._protocol import Slot, SlotTable
-from ._structure import PLAIN_TENSOR_TYPES, StageCache
+from ._structure import StageCache
 
 logger = get_logger(__name__)
 
 
-# -- batches: many tensors described in one reducer call --------------------------------------
-
-
-class TensorBatch(list):
-    """Tensors staged in one reducer call, as one pickled blob of descriptors.
-
-    Only for lists our own code builds: a batch shares storages (slots) with the rest of the
-    request but not rebuilt tensor *objects*. Unpickled, it is a plain list.
-    """
-
-    __slots__ = ()
-
-
-# A dict with fewer tensors gains less from one batch than its checks cost.
-MIN_BATCHED = 8
-_DICTS = (dict, OrderedDict)
-
-
-class TensorDict:
-    """A ``dict`` or ``OrderedDict`` (with its attributes) of distinct tensors, staged as one
-    :class:`TensorBatch`; unpickled, the same dict again.
-
-    For the ``torch.save`` flow. Its tensors are rebuilt as the batch's objects, so a tensor
-    *object* also held elsewhere in the state would become two objects and the worker's
-    ``torch.save`` would write a different archive. Hence :func:`batch_tensor_dicts` does not
-    batch dicts that share a tensor, and a tensor met outside its batch restarts the staging
-    unbatched (:class:`MetTwice`).
-    """
-
-    __slots__ = ("attrs", "keys", "kind", "tensors")
-
-    def __init__(
-        self, kind: type, keys: list, tensors: TensorBatch, attrs: dict | None = None
-    ) -> None:
-        self.kind = kind
-        self.keys = keys
-        self.tensors = tensors
-        self.attrs = attrs
-
-    def __reduce_ex__(self, protocol: object) -> tuple:
-        return _rebuild_dict, (self.kind, self.keys, self.tensors, self.attrs)
-
-
-def _rebuild_dict(kind: type, keys: list, tensors: list, attrs: dict | None) -> dict:
-    rebuilt = kind(zip(keys, tensors, strict=True))
-    if attrs:
-        rebuilt.__dict__.update(attrs)
-    return rebuilt
-
-
-def _as_batch(obj: Any) -> tuple[TensorDict, set[int]] | None:
-    """``obj`` as a :class:`TensorDict` and its tensors' ids, if it is a dict of at least
-    ``MIN_BATCHED`` distinct tensors, else None.
-    """
-    if type(obj) not in _DICTS or len(obj) < MIN_BATCHED:
-        return None
-    values = list(obj.values())
-    ids = set(map(id, values))
-    if not set(map(type, values)) <= PLAIN_TENSOR_TYPES or len(ids) != len(values):
-        return None
-    return TensorDict(type(obj), list(obj), TensorBatch(values), _attributes(obj)), ids
-
-
-def _attributes(obj: dict) -> dict | None:
-    """An ``OrderedDict``'s own attributes (a module ``state_dict()``'s ``_metadata``)."""
-    return dict(vars(obj)) if type(obj) is OrderedDict and vars(obj) else None
-
-
-def batch_tensor_dicts(state: Any) -> tuple[Any, set[int]]:
-    """``state`` with its dicts of tensors as :class:`TensorDict`, and the batched tensors' ids.
-
-    Looks at ``state`` and its direct dict values only. The caller's objects are not changed,
-    and two dicts that share a tensor object are not batched.
-    """
-    whole = _as_batch(state)
-    if whole is not None:
-        return whole
-    if type(state) not in _DICTS:
-        return state, set()
-    replaced: dict[int, TensorDict | None] = {}
-    batched: set[int] = set()
-    held = 0
-    for value in state.values():
-        if type(value) in _DICTS and id(value) not in replaced:
-            found = _as_batch(value)
-            replaced[id(value)] = found[0] if found else None
-            if found is not None:
-                batched |= found[1]
-                held += len(found[1])
-    if not batched or len(batched) != held:
-        return state, set()
-    outer = type(state)(
-        (key, replaced.get(id(value)) or value) if type(value) in _DICTS else (key, value)
-        for key, value in state.items()
-    )
-    attrs = _attributes(state)
-    if attrs:
-        outer.__dict__.update(attrs)
-    return outer, batched
-
-
-class MetTwice(Exception):
-    """A batched tensor was met outside its batch: stage again unbatched."""
-
-
-class BatchedWhenPickled:
-    """``state`` batched by :func:`batch_tensor_dicts` when staging pickles it, not when the save is
-    called, so with overlapped staging those passes run on the background thread. Pickled by
-    anything but staging, it is ``state`` as it is.
-    """
-
-    __slots__ = ("state",)
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-
-    def reduce(self, batched: set[int] | None) -> tuple:
-        """The reduction: with ``batched``, the state with its dicts batched and their tensors' ids
-        added to ``batched``; with None, the state as it is.
-        """
-        if batched is None:
-            return _identity, (self.state,)
-        state, ids = batch_tensor_dicts(self.state)
-        batched |= ids
-        return _identity, (state,)
-
-    def __reduce_ex__(self, protocol: object) -> tuple:
-        return self.reduce(None)
-
-
-def _identity(obj: Any) -> Any:
-    return obj
-
-
-# -- trainer side: pickling a request into descriptors, copying its storages ----------------
+# -- trainer side: a request as a skeleton and a flat list of tensors ------------------------
 
 
 @dataclass
@@ -260,92 +126,98 @@ def _stageable(obj: torch.Tensor) -> bool:
     )
 
 
-class _Collector:
-    """Per-pickle state: the storages met so far, by identity, in order of first use, and what
-    :mod:`._structure` needs to reuse the descriptors (each reducer call's result and tensor
-    count, the tensors in order). ``reusable`` turns False when a tensor is pickled by value.
-    """
+class _Reducer:
+    """The request pickle's one reducer: a stageable tensor becomes its index in the flat list
+    (appended on first meeting; pickle memoizes it, so a tensor met twice is one index and one
+    object again in the worker); any other tensor goes by value, through torch's reducer.
 
-    def __init__(self, *, batch_dicts: bool = True) -> None:
-        self.batch_dicts = batch_dicts
-        self.batched: set[int] = set()
-        self.slots: list[_PendingSlot] = []
-        self.slot_of: dict[StorageKey, int] = {}
-        self.tensors: list[torch.Tensor] = []
-        self.reduced: list[Any] = []
-        self.counts: list[int] = []
-        self.reusable = True
+    ``checked=False`` (a steady save's pickle) takes every tensor as stageable: that pickle
+    stands only if its tensors are described as a full staging's, which implies it."""
 
-    def _describe(self, obj: torch.Tensor, detached: bool = False) -> tuple:
-        """``rebuild_staged``'s arguments for ``obj`` (or its ``detach()``)."""
-        storage = obj.untyped_storage()
-        key = storage_key(storage)
-        nbytes = key[2]
-        slot = self.slot_of.get(key)
-        if slot is None or nbytes == 0:
-            slot = len(self.slots)
-            self.slots.append(_PendingSlot(storage, nbytes, _copy.is_host(storage)))
-            self.slot_of[key] = slot
-        return (
-            slot,
-            obj.dtype,
-            tuple(obj.size()),
-            obj.stride(),
-            obj.storage_offset(),
-            obj.requires_grad and not detached,
-            type(obj) is torch.nn.Parameter and not detached,
-        )
+    __slots__ = ("checked", "tensors")
 
-    def reduce_state(self, state: BatchedWhenPickled) -> tuple:
-        return state.reduce(self.batched if self.batch_dicts else None)
+    def __init__(self, tensors: list[torch.Tensor], checked: bool) -> None:
+        self.tensors = tensors
+        self.checked = checked
 
-    def reduce_tensor(self, obj: torch.Tensor) -> Any:
-        if id(obj) in self.batched:
-            raise MetTwice
-        self.tensors.append(obj)
-        self.counts.append(1)
-        if not _stageable(obj):
-            self.reusable = False
-            reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        else:
-            reduced = (rebuild_staged, self._describe(obj))
-        self.reduced.append(reduced)
-        return reduced
-
-    def reduce_batch(self, batch: TensorBatch) -> Any:
-        return self._batch(batch, detached=False)
-
-    def _batch(self, tensors: list[torch.Tensor], *, detached: bool) -> Any:
-        if not all(isinstance(t, torch.Tensor) and _stageable(t) for t in tensors):
-            # Element by element (each through the dispatch table): by value where needed.
-            # Pickled one by one, its tensors are memoized, so met again they stay one object.
-            self.reusable = False
-            self.batched.difference_update(map(id, tensors))
-            if detached:
-                tensors = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
-            return list, (tuple(tensors),)
-        descriptors = [self._describe(t, detached) for t in tensors]
-        self.tensors.extend(tensors)
-        self.counts.append(len(tensors))
-        reduced = (
-            rebuild_batch,
-            (pickle.dumps(descriptors, protocol=pickle.HIGHEST_PROTOCOL),),
-        )
-        self.reduced.append(reduced)
-        return reduced
+    def __call__(self, obj: torch.Tensor) -> Any:
+        if self.checked and not _stageable(obj):
+            return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        tensors = self.tensors
+        tensors.append(obj)
+        return _staged_tensor, (len(tensors) - 1,)
 
 
-def _dispatch_table(collector: Any) -> dict[type, Any]:
-    """The pickler's reducers: tensors and batches become arena descriptors. Pickle memoizes each
-    reduced tensor, so a tensor met twice is rebuilt once.
-    """
+def _pickle_skeleton(
+    obj: Any,
+    tensors: list[torch.Tensor],
+    explicit: dict[int, int],
+    what: str,
+    *,
+    checked: bool = True,
+) -> bytes:
+    """``obj`` pickled with its tensors as indices into ``tensors`` (which it extends), and the
+    objects whose id is in ``explicit`` as that source's index; raises naming ``what``.
+    ``checked``: see :class:`_Reducer`."""
     table: dict[type, Any] = dict(copyreg.dispatch_table)
-    table[torch.Tensor] = collector.reduce_tensor
-    table[torch.nn.Parameter] = collector.reduce_tensor
-    table[TensorBatch] = collector.reduce_batch
-    table[BatchedWhenPickled] = collector.reduce_state
+    table[torch.Tensor] = table[torch.nn.Parameter] = _Reducer(tensors, checked)
     table[types.ModuleType] = _reduce_module
-    return table
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = table
+    if explicit:
+        pickler.persistent_id = lambda o: explicit.get(id(o))  # type: ignore[method-assign]
+    try:
+        pickler.dump(obj)
+    except CheckpointingException:
+        raise  # ours (e.g. a write item resolved late to a non-tensor) say what happened
+    except Exception as exc:
+        raise InvalidRequestError(
+            f"{what} cannot be sent to the background worker: {type(exc).__name__}: {exc}. "
+            "Use module-level functions (not lambdas or local functions) and picklable "
+            "arguments, or functools.partial of them."
+        ) from exc
+    return buf.getvalue()
+
+
+@dataclass
+class _Slots:
+    """The storages of a flat list of tensors, by identity, in order of first use, and each
+    tensor's descriptor (``rebuild_staged``'s arguments) over them."""
+
+    pending: list[_PendingSlot]
+    slot_of: dict[StorageKey, int]
+    descriptors: bytes
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor], detached: int) -> _Slots:
+        """``detached``: how many of the first tensors are rebuilt detached (the explicit
+        sources')."""
+        pending: list[_PendingSlot] = []
+        slot_of: dict[StorageKey, int] = {}
+        described = []
+        for index, tensor in enumerate(tensors):
+            storage = tensor.untyped_storage()
+            key = storage_key(storage)
+            nbytes = key[2]
+            slot = slot_of.get(key)
+            if slot is None or nbytes == 0:
+                slot = len(pending)
+                pending.append(_PendingSlot(storage, nbytes, _copy.is_host(storage)))
+                slot_of[key] = slot
+            kept = index >= detached
+            described.append(
+                (
+                    slot,
+                    tensor.dtype,
+                    tuple(tensor.size()),
+                    tensor.stride(),
+                    tensor.storage_offset(),
+                    tensor.requires_grad and kept,
+                    type(tensor) is torch.nn.Parameter and kept,
+                )
+            )
+        return cls(pending, slot_of, pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 @dataclass
@@ -358,58 +230,6 @@ class StagedRequest:
     nbytes: int
 
 
-def dump_with(
-    obj: Any,
-    reducer_owner: Any,
-    header: tuple | None = None,
-    explicit: dict[int, int] | None = None,
-) -> bytes:
-    """Pickle ``header`` (the explicit sources' descriptors and rebuild calls, see
-    :func:`stage`), then ``obj``, with ``reducer_owner``'s reducers for tensors and batches;
-    an object whose id is in ``explicit`` is pickled as that source's index."""
-    buf = io.BytesIO()
-    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = _dispatch_table(reducer_owner)
-    pickler.dump(header)
-    if explicit:
-        pickler.persistent_id = lambda o: explicit.get(id(o))  # type: ignore[method-assign]
-    pickler.dump(obj)
-    return buf.getvalue()
-
-
-def collect_descriptors(
-    obj: Any,
-    what: str,
-    header: tuple | None = None,
-    explicit: dict[int, int] | None = None,
-    collector: _Collector | None = None,
-) -> tuple[bytes, _Collector]:
-    """Pickle ``obj`` with tensors as descriptors (see :func:`dump_with`), naming ``what`` on
-    failure; on :class:`MetTwice` it is pickled again unbatched.
-    """
-    if collector is None:
-        collector = _Collector()
-    fresh = (len(collector.slots), len(collector.tensors), dict(collector.slot_of))
-    try:
-        try:
-            payload = dump_with(obj, collector, header, explicit)
-        except MetTwice:
-            retry = _Collector(batch_dicts=False)
-            retry.slots, retry.tensors = collector.slots[: fresh[0]], collector.tensors[: fresh[1]]
-            retry.slot_of = fresh[2]
-            collector = retry
-            payload = dump_with(obj, collector, header, explicit)
-    except CheckpointingException:
-        raise  # ours (e.g. a write item resolved late to a non-tensor) say what happened
-    except Exception as exc:
-        raise InvalidRequestError(
-            f"{what} cannot be sent to the background worker: {type(exc).__name__}: {exc}. "
-            "Use module-level functions (not lambdas or local functions) and picklable "
-            "arguments, or functools.partial of them."
-        ) from exc
-    return payload, collector
-
-
 # -- explicit sources: a skeleton and a flat list of tensors --------------------------------
 
 
@@ -419,9 +239,9 @@ class StagingPart:
     ``rebuild(*args, tensors)``, ``tensors`` rebuilt over the arena (detached), in this order.
 
     ``key``: an object that stays the same while the tensors' descriptions do (the DCP flow's
-    per-plan skeleton), so that a save with the same key re-checks only where the bytes lie;
-    ``checked``: the key also vouches for every tensor's dtype, shape and bits (else they are
-    checked too, :class:`._structure.TensorCheck`).
+    per-plan skeleton, the local flow's plan generation), so that a save with the same key
+    re-checks only where the bytes lie; ``checked``: the key also vouches for every tensor's
+    dtype, shape and bits (else they are checked too, :class:`._structure.TensorCheck`).
     """
 
     rebuild: Callable[..., Any]
@@ -442,31 +262,35 @@ class StagingSource:
         raise NotImplementedError
 
 
-def request_sources(request: Any) -> list[StagingSource]:
-    """The explicit sources among a ``(async_fn, args, kwargs, preload_fn)`` request's
-    positional arguments."""
-    if type(request) is not tuple or len(request) != 4 or type(request[1]) not in (tuple, list):
+def request_sources(obj: Any) -> list[StagingSource]:
+    """The explicit sources of a request ``(async_fn, args, kwargs, preload_fn)``: its
+    positional arguments that are one, or lists or tuples of them (a warm-up's state: ``obj``
+    itself, or its elements)."""
+    if type(obj) is tuple and len(obj) == 4 and type(obj[1]) in (tuple, list):
+        obj = obj[1]
+    elif isinstance(obj, StagingSource):
+        return [obj]
+    if type(obj) not in (tuple, list):
         return []
-    return [arg for arg in request[1] if isinstance(arg, StagingSource)]
+    found = []
+    for arg in obj:
+        if isinstance(arg, StagingSource):
+            found.append(arg)
+        elif type(arg) in (tuple, list) and arg and isinstance(arg[0], StagingSource):
+            found.extend(source for source in arg if isinstance(source, StagingSource))
+    return found
 
 
-def rebuild_parts(descriptors: bytes, calls: list[tuple[Callable[..., Any], tuple, int]]) -> list:
+def rebuild_parts(
+    tensors: list[torch.Tensor], calls: list[tuple[Callable[..., Any], tuple, int]]
+) -> list:
     """Worker side: each explicit source's object, rebuilt over the arena."""
-    tensors = rebuild_batch(descriptors)
     built = []
     start = 0
     for rebuild, args, count in calls:
         built.append(rebuild(*args, tensors[start : start + count]))
         start += count
     return built
-
-
-def _itself(obj: Any, tensors: list) -> Any:
-    return obj
-
-
-class _ByValue(Exception):
-    """An explicit source's tensor must be pickled by value: stage the request generically."""
 
 
 @dataclass
@@ -487,54 +311,83 @@ class _Explicit:
                 ids[id(source)] = len(unique)
                 unique.append(source)
         parts = [source.staging_part() for source in unique]
-        tensors = [t for part in parts for t in part.tensors]
-        return cls(unique, parts, tensors, ids)
+        return cls(unique, parts, [t for part in parts for t in part.tensors], ids)
 
     def full(self) -> _Explicit:
-        """The parts with every check (for a full staging)."""
+        """The parts with every check (for a full staging); none if a tensor cannot be
+        described, the sources then pickled as the objects they stand for (their tensors
+        through the reducer, by value where needed)."""
         if all(part.full is None for part in self.parts):
-            return self
-        parts = [part if part.full is None else part.full() for part in self.parts]
+            parts = self.parts
+        else:
+            parts = [part if part.full is None else part.full() for part in self.parts]
         tensors = [t for part in parts for t in part.tensors]
+        if not all(map(_stageable, tensors)):
+            return _Explicit([], [], [], {})
+        if parts is self.parts:
+            return self
         return _Explicit(self.sources, parts, tensors, self.ids)
-
-    def by_value(self) -> _Explicit:
-        """The same sources, each pickled as the object it stands for (its tensors included,
-        through the reducers): for a tensor that cannot be described."""
-        parts = [StagingPart(_itself, (source,), [], None, False) for source in self.sources]
-        return _Explicit(self.sources, parts, [], self.ids)
 
     @property
     def key(self) -> tuple:
         return tuple(part.key for part in self.parts)
 
+    def checked(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether the keys vouch for the description of every one of ``tensors``."""
+        return len(tensors) == len(self.tensors) and all(part.checked for part in self.parts)
+
+    def header(self, descriptors: bytes) -> bytes:
+        """What the worker unpickles first: the tensors' descriptors and the parts' rebuilds."""
+        calls = [(part.rebuild, part.args, len(part.tensors)) for part in self.parts]
+        return pickle.dumps((descriptors, calls), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _framed(header: bytes, skeleton: bytes) -> bytes:
+    return b"".join((len(header).to_bytes(8, "little"), header, skeleton))
+
+
+@dataclass
+class _Plan:
+    """A full staging's plan: the request pickled, its tensors, their slots and placement."""
+
+    explicit: _Explicit
+    skeleton: bytes
+    tensors: list[torch.Tensor]
+    slots: _Slots
+    placement: Placement
+    table: tuple[Slot, ...]
+    device: DevicePlan
+
+    @classmethod
+    def of(cls, obj: Any, explicit: _Explicit, what: str) -> _Plan:
+        explicit = explicit.full()
+        tensors = list(explicit.tensors)
+        skeleton = _pickle_skeleton(obj, tensors, explicit.ids, what)
+        slots = _Slots.of(tensors, len(explicit.tensors))
+        pending = slots.pending
+        placement = place([(p.storage.data_ptr() if p.host else None, p.nbytes) for p in pending])
+        table = SlotTable(zip(placement.offsets, (p.nbytes for p in pending), strict=True))
+        host = [p.host for p in pending]
+        device = NO_DEVICE if all(host) else plan_device_copies(tensors, slots.slot_of, table, host)
+        return cls(explicit, skeleton, tensors, slots, placement, table, device)
+
+    def remember(self, cache: StageCache, threads: int, *, counted: bool = True) -> None:
+        cache.remember(
+            self.explicit.key,
+            self.explicit.checked(self.tensors),
+            self.slots.descriptors,
+            self.tensors,
+            self.table,
+            list(self.placement.runs),
+            self.device,
+            self.placement.total,
+            threads,
+            counted=counted,
+        )
+
     @property
-    def checked(self) -> bool:
-        return all(part.checked for part in self.parts)
-
-    def header(self, descriptors: bytes) -> tuple:
-        return (descriptors, [(part.rebuild, part.args, len(part.tensors)) for part in self.parts])
-
-    def dump(
-        self, obj: Any, descriptors: bytes, what: str, collector: _Collector | None = None
-    ) -> tuple[bytes, _Collector]:
-        return collect_descriptors(obj, what, self.header(descriptors), self.ids, collector)
-
-    def describe(self, collector: _Collector) -> bytes:
-        """The tensors' descriptors (slots in ``collector``), as one blob."""
-        if not all(map(_stageable, self.tensors)):
-            raise _ByValue
-        collector.tensors.extend(self.tensors)
-        described = [collector._describe(t, detached=True) for t in self.tensors]
-        return pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _layout(slots: list[_PendingSlot]) -> tuple[Placement, tuple[Slot, ...]]:
-    """Place ``slots`` in an arena (setting their offsets); the placement and slot table."""
-    placement = place([(p.storage.data_ptr() if p.host else None, p.nbytes) for p in slots])
-    for slot, offset in zip(slots, placement.offsets, strict=True):
-        slot.offset = offset
-    return placement, SlotTable(zip(placement.offsets, (p.nbytes for p in slots), strict=True))
+    def payload(self) -> bytes:
+        return _framed(self.explicit.header(self.slots.descriptors), self.skeleton)
 
 
 def copy_into(
@@ -568,143 +421,42 @@ def stage(
 ) -> StagedRequest:
     """Pickle ``obj`` and copy its tensors into an arena from ``pool``.
 
-    ``sources`` (:func:`request_sources`): arguments that hand their tensors explicitly; with
-    ``cache``, a save whose sources have the previous save's keys and layout reuses its
-    descriptors and copy plan. Without sources, ``cache`` lets a request laid out like the
-    previous one reuse them (:class:`._structure.StageCache`). Otherwise it is staged fully
+    ``sources`` (:func:`request_sources`): arguments that hand their tensors explicitly. With
+    ``cache``, a save whose tensors (the sources' and those the pickle met, in order) are laid
+    out as at the previous save, with the sources' keys of then, reuses that staging's
+    descriptors and copy plan (:class:`._structure.StageCache`); otherwise it is staged fully
     and the cache rebuilt. ``order``: the save call's place in the CUDA streams, for
     overlapped staging.
     """
-    if sources:
-        explicit = _Explicit.of(sources)
-        return _stage_explicit(obj, explicit, pool, wait_for_release, what, threads, cache, order)
-    if cache is not None:
-        guessed = cache.try_pickle(obj, dump_with, threads)
-        if guessed is not None:
-            payload, tensors = guessed
-            return _copy_cached(payload, cache, pool, wait_for_release, tensors, order)
-    payload, collector = collect_descriptors(obj, what)
-    return _stage_full(payload, collector, pool, wait_for_release, threads, cache, order)
-
-
-def _copy_cached(
-    payload: bytes,
-    cache: StageCache,
-    pool: ArenaPool,
-    wait_for_release: Callable[[], bool],
-    tensors: list[torch.Tensor],
-    order: DeviceOrder | None,
-) -> StagedRequest:
-    if not cache.slots:
-        return StagedRequest(payload, None, (), 0)
-    arena = cache.copy(pool, wait_for_release, tensors, order=order)
-    return StagedRequest(payload, arena, cache.slots, cache.total)
-
-
-def _stage_explicit(
-    obj: Any,
-    explicit: _Explicit,
-    pool: ArenaPool,
-    wait_for_release: Callable[[], bool],
-    what: str,
-    threads: int,
-    cache: StageCache | None,
-    order: DeviceOrder | None,
-) -> StagedRequest:
-    """Stage ``obj`` with its explicit sources (by value if a tensor cannot be described)."""
-    if cache is not None:
-        descriptors = cache.explicit_hit(explicit.key, explicit.tensors, threads, explicit.checked)
+    explicit = _Explicit.of(sources or [])
+    if cache is not None and cache.kept:
+        tensors = list(explicit.tensors)
+        skeleton = _pickle_skeleton(obj, tensors, explicit.ids, what, checked=False)
+        descriptors = cache.hit(explicit.key, tensors, threads, explicit.checked(tensors))
         if descriptors is not None:
-            payload, rest = explicit.dump(obj, descriptors, what)
-            if not rest.tensors:  # nothing else in the request to stage
-                return _copy_cached(payload, cache, pool, wait_for_release, explicit.tensors, order)
-    explicit = explicit.full()
-    collector = _Collector()
-    try:
-        descriptors = explicit.describe(collector)
-    except _ByValue:
-        explicit = explicit.by_value()
-        collector = _Collector()
-        descriptors = explicit.describe(collector)
-    payload, collector = explicit.dump(obj, descriptors, what, collector)
-    remember = None
+            payload = _framed(explicit.header(descriptors), skeleton)
+            if not cache.slots:
+                return StagedRequest(payload, None, (), 0)
+            arena = cache.copy(pool, wait_for_release, tensors, order=order)
+            return StagedRequest(payload, arena, cache.slots, cache.total)
+    plan = _Plan.of(obj, explicit, what)
     if cache is not None:
-        remember = functools.partial(
-            cache.remember_explicit,
-            explicit.key,
-            explicit.checked,
-            descriptors,
-            reusable=bool(explicit.tensors)
-            and collector.reusable
-            and len(collector.tensors) == len(explicit.tensors),
-        )
-    return _stage_full(payload, collector, pool, wait_for_release, threads, cache, order, remember)
-
-
-def _stage_full(
-    payload: bytes,
-    collector: _Collector,
-    pool: ArenaPool,
-    wait_for_release: Callable[[], bool],
-    threads: int,
-    cache: StageCache | None,
-    order: DeviceOrder | None,
-    remember: Callable[..., None] | None = None,
-) -> StagedRequest:
-    """Place ``collector``'s slots, remember the plan in ``cache`` and copy."""
-    placement, slots = _layout(collector.slots)
-    total = placement.total
-    device = _device_plan(collector, slots)
-    if cache is not None:
-        if remember is None:
-            _remember(cache, collector, slots, placement, device, threads)
-        else:
-            remember(collector.tensors, slots, list(placement.runs), device, total, threads)
-    if not slots:
-        return StagedRequest(payload, None, (), 0)
-    if cache is not None and cache.planned_for(slots):
+        plan.remember(cache, threads)
+    if not plan.table:
+        return StagedRequest(plan.payload, None, (), 0)
+    if cache is not None and cache.planned_for(plan.table):
         # Copy with the plan just cached, not a second coalesce/split.
-        arena = cache.copy(pool, wait_for_release, collector.tensors, order=order)
+        arena = cache.copy(pool, wait_for_release, plan.tensors, order=order)
     else:
-        arena = pool.acquire(total, wait_for_release)
+        arena = pool.acquire(plan.placement.total, wait_for_release)
         try:
-            copy_into(arena, placement, device, collector.tensors, threads=threads, order=order)
+            copy_into(
+                arena, plan.placement, plan.device, plan.tensors, threads=threads, order=order
+            )
         except BaseException:
             pool.release(arena.arena_id)
             raise
-    return StagedRequest(payload, arena, slots, total)
-
-
-def _device_plan(collector: _Collector, slots: tuple[Slot, ...]) -> DevicePlan:
-    host = [s.host for s in collector.slots]
-    if all(host):
-        return NO_DEVICE
-    return plan_device_copies(collector.tensors, collector.slot_of, slots, host)
-
-
-def _remember(
-    cache: StageCache,
-    collector: _Collector,
-    slots: tuple[Slot, ...],
-    placement: Placement,
-    device: DevicePlan,
-    threads: int,
-    *,
-    counted: bool = True,
-) -> None:
-    cache.remember(
-        collector.tensors,
-        collector.reduced,
-        collector.counts,
-        collector.reusable,
-        collector.batch_dicts,
-        slots,
-        list(placement.runs),
-        device,
-        placement.total,
-        threads,
-        counted=counted,
-    )
+    return StagedRequest(plan.payload, arena, plan.table, plan.placement.total)
 
 
 def prime(
@@ -718,36 +470,9 @@ def prime(
     and the tensors in the cache's order. A later request with the same tensors laid out alike
     then takes the fast path from its first save.
     """
-    if sources:
-        explicit = _Explicit.of(sources).full()
-        collector = _Collector()
-        try:
-            descriptors = explicit.describe(collector)
-        except _ByValue:
-            cache.clear()
-            return 0, []
-        else:
-            _, collector = explicit.dump(obj, descriptors, what, collector)
-            placement, slots = _layout(collector.slots)
-            cache.remember_explicit(
-                explicit.key,
-                explicit.checked,
-                descriptors,
-                collector.tensors,
-                slots,
-                list(placement.runs),
-                _device_plan(collector, slots),
-                placement.total,
-                threads,
-                reusable=collector.reusable and len(collector.tensors) == len(explicit.tensors),
-                counted=False,
-            )
-            return placement.total, collector.tensors
-    _, collector = collect_descriptors(obj, what)
-    placement, slots = _layout(collector.slots)
-    device = _device_plan(collector, slots)
-    _remember(cache, collector, slots, placement, device, threads, counted=False)
-    return placement.total, collector.tensors
+    plan = _Plan.of(obj, _Explicit.of(sources or []), what)
+    plan.remember(cache, threads, counted=False)
+    return plan.placement.total, plan.tensors
 
 
 # -- worker side: a staged request unpickled over its arena -----------------------------------
@@ -757,6 +482,7 @@ class _UnstageContext(threading.local):
     arena: Arena | None = None
     slots: tuple[Slot, ...] = ()
     storages: dict[int, torch.UntypedStorage] | None = None
+    tensors: list[torch.Tensor] = []
 
 
 _unstaging = _UnstageContext()
@@ -791,26 +517,34 @@ def rebuild_staged(
     return tensor
 
 
-def rebuild_batch(descriptors: bytes) -> list[torch.Tensor]:
-    """Worker side: a :class:`TensorBatch`'s tensors, each over its slot."""
-    return [rebuild_staged(*args) for args in pickle.loads(descriptors)]
+def _staged_tensor(index: int) -> torch.Tensor:
+    """Worker side: the request's ``index``-th tensor, rebuilt over the arena."""
+    tensors = _unstaging.tensors
+    if index >= len(tensors):
+        raise StagingError("a staged tensor was unpickled outside of unstage()")
+    return tensors[index]
 
 
 def unstage(payload: bytes, arena: Arena | None, slots: tuple[Slot, ...]) -> Any:
     """Worker side: unpickle a staged request; its tensors view ``arena``."""
+    view = memoryview(payload)
+    end = 8 + int.from_bytes(view[:8], "little")
     _unstaging.arena, _unstaging.slots, _unstaging.storages = arena, slots, {}
     try:
+        descriptors, calls = pickle.loads(view[8:end])
+        tensors = [rebuild_staged(*args) for args in pickle.loads(descriptors)]
+        _unstaging.tensors = tensors
         # Finds the trainer's __main__ names, importing that module only if asked to.
-        unpickler = MainAwareUnpickler(io.BytesIO(payload))
-        header = unpickler.load()
-        if header is not None:  # the explicit sources, named in the request by index
-            unpickler.persistent_load = rebuild_parts(*header).__getitem__  # type: ignore[method-assign]
+        unpickler = MainAwareUnpickler(io.BytesIO(view[end:]))
+        if calls:  # the explicit sources, named in the request by index
+            unpickler.persistent_load = rebuild_parts(tensors, calls).__getitem__  # type: ignore[method-assign]
         obj = unpickler.load()
     except BaseException:
         pending_sparse_tensors().clear()
         raise
     finally:
         _unstaging.arena, _unstaging.slots, _unstaging.storages = None, (), None
+        _unstaging.tensors = []
     # What torch.load does after unpickling: torch's sparse-tensor rebuild puts every sparse
     # tensor on a process-wide list to validate once its storages are loaded. Not emptied
     # here, the list would keep them (and the arena memory they view) alive until some later

@@ -26,21 +26,16 @@ Lists and tuples are still walked inside (into the key) for the local flow, whic
 tensor. A state holding what the walk does not model (other tensor subclasses, objects with
 ``__create_write_items__``, list subclasses) has no structure: its flows plan in full.
 
-**The staging cache.** A save first pickles the request *optimistically*, with a reducer that
-answers its i-th call with the previous save's i-th result (a call is one tensor, or a whole
-batch of the staging layer), then checks that every tensor met, in order, has the previous
-save's layout: its description (:class:`TensorCheck`) and where its bytes lie
-(:func:`storage_layout`). Equal layouts mean equal descriptors, equal slot grouping and
-equal copy ranges, so the cached copy plan copies exactly the bytes the full path would. The
-request's non-tensor part is pickled afresh every save. Any difference falls back to the full
-path, which rebuilds the cache. Only requests whose tensors are all strided are cached
-(by-value tensors would repeat stale values); the cache holds no tensor, only the layouts and
-the plans.
-
-A request with explicit sources (``_staging.StagingPart``, the async DCP writer's) is not
-replayed: its sources' keys (the per-plan skeleton, which the plan cache's hit stands for)
-say whether its tensors are described as at the previous save, so a steady save compares
-only where their bytes lie and their strides (:func:`explicit_layout`), once.
+**The staging cache.** Staging takes a skeleton and a flat list of tensors
+(``_staging``). A save whose list has the previous save's length and, tensor by tensor, the
+previous save's description (:class:`TensorCheck`) and place of its bytes
+(:func:`storage_layout`) has equal descriptors, equal slot grouping and equal copy ranges, so
+the cached copy plan copies exactly the bytes a full staging would. Where an explicit source's
+key (the plan cache's entry: a DCP plan's skeleton, a :class:`StructureCache` generation)
+vouches for the descriptions, only where the bytes lie and the strides are compared
+(:func:`explicit_layout`), once. A steady save's pickle takes every tensor as one to stage:
+a tensor that must go by value (sparse, conjugate) is not described as at a full staging,
+so that save stages fully. The cache holds no tensor, only the layouts and the plans.
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -69,9 +64,6 @@ from ._copy import (
     start_copies,
 )
 from ._protocol import Slot
-
-if TYPE_CHECKING:  # _staging imports this module
-    from ._staging import BatchedWhenPickled
 
 logger = get_logger(__name__)
 
@@ -342,6 +334,10 @@ def walk(state: Mapping) -> Structure | None:
 T = TypeVar("T")
 
 
+# Each remembered planning's number, unique in the process.
+_GENERATIONS = itertools.count(1)
+
+
 class StructureCache(Generic[T]):
     """What one consumer derived from the last structure it planned for: the product, under
     that structure's key and the description of its plain tensors (:class:`TensorCheck`).
@@ -349,11 +345,14 @@ class StructureCache(Generic[T]):
     ``lookup`` gives the product if this save's key equals the remembered one and its tensors
     are described as those were, else None; ``remember`` replaces it after a full planning
     (and drops it for tensors that are not all strided); ``clear`` drops it. Any change
-    invalidates.
+    invalidates. ``generation``: the remembered planning's number (None: none), the same
+    for every save that reuses it, so that what those saves stage is known to be described
+    alike (a :class:`StageCache` key).
     """
 
     def __init__(self) -> None:
         self._kept: tuple[tuple, TensorCheck, T] | None = None
+        self.generation: int | None = None
 
     def lookup(self, key: tuple | None, tensors: Sequence[torch.Tensor]) -> T | None:
         kept = self._kept
@@ -364,9 +363,10 @@ class StructureCache(Generic[T]):
     def remember(self, key: tuple, tensors: Sequence[torch.Tensor], product: T) -> None:
         try:
             self._kept = (key, TensorCheck(tensors), product)
+            self.generation = next(_GENERATIONS)
         except Exception as exc:  # not all strided, no strides, ...: never reused
             logger.debug("not kept for reuse: %r", exc)
-            self._kept = None
+            self.clear()
 
     def keep_product(self, product: T) -> None:
         """Replace the product kept under the same key and tensors (after a lookup hit)."""
@@ -375,52 +375,10 @@ class StructureCache(Generic[T]):
 
     def clear(self) -> None:
         self._kept = None
+        self.generation = None
 
 
 # -- the staging cache ------------------------------------------------------------------------
-
-
-class _Miss(Exception):
-    """The optimistic pickle met more tensors than the cached request had."""
-
-
-class _Guess:
-    """Reducer of the optimistic pickle: the i-th reducer call gets the cached i-th result,
-    if it describes as many tensors as the cached call did.
-
-    A ``BatchedWhenPickled`` state is batched as at the full staging (``batch_dicts``), and
-    a single tensor that is also in a batch misses, as the full staging would stage the state
-    again unbatched (see ``_staging.TensorDict``); equal layouts cannot tell that apart."""
-
-    __slots__ = ("batch_dicts", "batched", "calls", "counts", "reduced", "tensors")
-
-    def __init__(self, reduced: list[Any], counts: list[int], batch_dicts: bool) -> None:
-        self.reduced = reduced
-        self.counts = counts
-        self.batch_dicts = batch_dicts
-        self.batched: set[int] = set()
-        self.calls = 0
-        self.tensors: list[torch.Tensor] = []
-
-    def _next(self, count: int) -> Any:
-        index = self.calls
-        self.calls = index + 1
-        if index >= len(self.reduced) or self.counts[index] != count:
-            raise _Miss
-        return self.reduced[index]
-
-    def reduce_state(self, state: BatchedWhenPickled) -> tuple:
-        return state.reduce(self.batched if self.batch_dicts else None)
-
-    def reduce_tensor(self, obj: torch.Tensor) -> Any:
-        if id(obj) in self.batched:
-            raise _Miss
-        self.tensors.append(obj)
-        return self._next(1)
-
-    def reduce_batch(self, batch: list[torch.Tensor]) -> Any:
-        self.tensors.extend(batch)
-        return self._next(len(batch))
 
 
 class StageCache:
@@ -430,49 +388,27 @@ class StageCache:
     """
 
     def __init__(self) -> None:
-        self._reduced: list[Any] | None = None
-        self._counts: list[int] = []
-        self._batch_dicts = True
+        self._key: tuple | None = None
         self._check: TensorCheck | None = None
         self._storage: tuple[list, ...] = ()
+        self._descriptors = b""
         self._slots: tuple[Slot, ...] = ()
         self._total = 0
         self._threads = 0
         self._shares: list[list[Segment]] = []
         self._device = NO_DEVICE
-        # For a request with explicit sources: their keys and tensors' descriptors.
-        self._key: tuple | None = None
-        self._descriptors = b""
         self.hits = 0
         self.misses = 0
 
     def clear(self) -> None:
-        self._reduced = None
-        self._counts = []
+        self._key = None
         self._check = None
         self._storage = ()
+        self._descriptors = b""
         self._shares = []
         self._device = NO_DEVICE
-        self._key = None
-        self._descriptors = b""
 
-    def _keep_plan(
-        self,
-        storage: tuple[list, ...],
-        slots: tuple[Slot, ...],
-        host: list[Segment],
-        device: DevicePlan,
-        total: int,
-        threads: int,
-    ) -> None:
-        self._storage = storage
-        self._slots = slots
-        self._total = total
-        self._threads = threads
-        self._shares = plan_shares(host, threads)
-        self._device = device
-
-    def remember_explicit(
+    def remember(
         self,
         key: tuple,
         checked: bool,
@@ -484,116 +420,62 @@ class StageCache:
         total: int,
         threads: int,
         *,
-        reusable: bool,
         counted: bool = True,
     ) -> None:
-        """After a full staging of a request with explicit sources (``_staging.StagingPart``):
-        keep, under their ``key``, the descriptors and copy plan of their ``tensors``.
-        ``checked``: the key vouches for the tensors' descriptions, so only where their bytes
-        lie is compared at the next save; else their descriptions too. ``reusable``: the
-        request held no other tensor, and every one was described."""
+        """After a full staging: keep, under the explicit sources' ``key``, the descriptors and
+        copy plan of the request's ``tensors`` (in the staging's order). ``checked``: the key
+        vouches for the tensors' descriptions, so only where their bytes lie (and their
+        strides) is compared at the next save; else their descriptions too. ``host``: the
+        copy ranges with destinations relative to the arena's start. ``counted``: a save
+        missed the cache (False for a warm-up, which saves nothing)."""
         self.misses += int(counted)
         self.clear()
-        if not reusable:
-            return
         try:
             check = None if checked else TensorCheck(tensors)
-            storage = explicit_layout(tensors)
+            storage = explicit_layout(tensors) if checked else storage_layout(tensors)
         except Exception as exc:  # an exotic tensor: never reuse, stage fully
             logger.debug("staging cache disabled for this request: %r", exc)
             return
         self._key = key
         self._check = check
+        self._storage = storage
         self._descriptors = descriptors
-        self._keep_plan(storage, slots, host, device, total, threads)
+        self._slots = slots
+        self._total = total
+        self._threads = threads
+        self._shares = plan_shares(host, threads)
+        self._device = device
 
-    def explicit_hit(
+    def hit(
         self, key: tuple, tensors: list[torch.Tensor], threads: int, checked: bool
     ) -> bytes | None:
-        """The cached descriptors if explicit sources with ``key`` hand ``tensors`` laid out as
-        at the previous save (one check of where their bytes lie), else None."""
+        """The cached descriptors if a request whose explicit sources have ``key`` hands
+        ``tensors`` laid out as at the previous save (one check of each), else None."""
         if self._key is None or key != self._key or threads != self._threads:
             return None
         check = self._check
         if check is None and not checked:
             return None
         try:
-            if check is not None and not check.matches(tensors):
-                return None
-            if explicit_layout(tensors) != self._storage:
+            if check is not None:
+                if not check.matches(tensors) or storage_layout(tensors) != self._storage:
+                    return None
+            elif explicit_layout(tensors) != self._storage:
                 return None
         except Exception:  # a tensor without a strided storage: the full path reports it
             return None
         self.hits += 1
         return self._descriptors
 
-    def remember(
-        self,
-        tensors: list[torch.Tensor],
-        reduced: list[Any],
-        counts: list[int],
-        reusable: bool,
-        batch_dicts: bool,
-        slots: tuple[Slot, ...],
-        host: list[Segment],
-        device: DevicePlan,
-        total: int,
-        threads: int,
-        *,
-        counted: bool = True,
-    ) -> None:
-        """After a full staging: keep what the next save of this layout can reuse.
-
-        ``reduced``/``counts``: each reducer call's result and how many of ``tensors`` it
-        described. ``batch_dicts``: whether that staging batched a ``BatchedWhenPickled``
-        state's dicts (False after it met a batched tensor twice; the next full staging tries
-        again). ``host``: the copy ranges with destinations relative to the arena's start.
-        ``counted``: a save missed the cache (False for a warm-up, which saves nothing).
-        """
-        self.misses += int(counted)
-        if not reusable or len(reduced) != len(counts) or sum(counts) != len(tensors):
-            self.clear()
-            return
-        try:
-            check = TensorCheck(tensors)
-            storage = storage_layout(tensors)
-        except Exception as exc:  # an exotic tensor: never reuse, stage fully
-            logger.debug("staging cache disabled for this request: %r", exc)
-            self.clear()
-            return
-        self._key = None
-        self._reduced = list(reduced)
-        self._counts = list(counts)
-        self._batch_dicts = batch_dicts
-        self._check = check
-        self._keep_plan(storage, slots, host, device, total, threads)
-
-    def try_pickle(
-        self, obj: Any, dump: Callable[[Any, Any], bytes], threads: int
-    ) -> tuple[bytes, list[torch.Tensor]] | None:
-        """The payload of ``obj`` if its tensors are laid out as at the previous save, with
-        the tensors met (to keep alive while copying); None on any difference."""
-        check = self._check
-        if self._reduced is None or check is None or threads != self._threads:
-            return None
-        guess = _Guess(self._reduced, self._counts, self._batch_dicts)
-        try:
-            payload = dump(obj, guess)
-            if (
-                guess.calls != len(self._reduced)
-                or not check.matches(guess.tensors)
-                or storage_layout(guess.tensors) != self._storage
-            ):
-                return None
-        except Exception:  # _Miss, or anything the full path will report properly
-            return None
-        self.hits += 1
-        return payload, guess.tensors
+    @property
+    def kept(self) -> bool:
+        """Whether the cache holds a staging to reuse."""
+        return self._key is not None
 
     def planned_for(self, slots: tuple[Slot, ...]) -> bool:
         """Whether the cache holds the copy plan of the staging that laid out ``slots``
         (just remembered)."""
-        return (self._reduced is not None or self._key is not None) and self._slots is slots
+        return self._key is not None and self._slots is slots
 
     @property
     def slots(self) -> tuple[Slot, ...]:
@@ -607,12 +489,7 @@ class StageCache:
         """Build in ``arena`` now what a save with the cached plan would build on first use
         of it (the device copies' typed views): the warm-up's part of the first save.
         ``tensors``: those the cache was filled from, in its order."""
-        if (
-            tensors
-            and (self._reduced is not None or self._key is not None)
-            and self._device.slots
-            and arena.nbytes >= self._total
-        ):
+        if tensors and self.kept and self._device.slots and arena.nbytes >= self._total:
             destinations(self._device, arena, tensors, keep=True)
 
     def copy(

@@ -36,7 +36,6 @@ from ..errors import ConfigurationError
 from ..storage import get_backend, is_msc_url
 from ..storage.commit import remove_stale_temp_files, write_atomically
 from ..utils import iter_tensors, preload_tensors
-from ._staging import BatchedWhenPickled
 from .core import AsyncCallsQueue, AsyncRequest
 
 logger = get_logger(__name__)
@@ -147,13 +146,7 @@ class TorchAsyncCheckpoint:
         """Start the worker and size a staging arena for ``state_dict`` ahead of the first save (see
         ``AsyncCallsQueue.warmup``).
         """
-        self._queue.warmup(self._staged_form(state_dict))
-
-    def _staged_form(self, state_dict: Any) -> Any:
-        """What the persistent queue stages: dicts of tensors batched (``TensorDict``); the fork
-        caller pickles nothing, so it gets ``state_dict``.
-        """
-        return BatchedWhenPickled(state_dict) if self.persistent_queue else state_dict
+        self._queue.warmup(state_dict)
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
         """After ``async_save(..., overlap_staging=True)``: wait until the tensors are
@@ -187,7 +180,6 @@ class TorchAsyncCheckpoint:
             # A forked child cannot read device memory: host copies first, as NVRx does. (Not
             # a preload_fn: its result replaces the request's second argument, the path.)
             state_dict = preload_tensors(state_dict, non_blocking=True)  # synchronizes
-        state_dict = self._staged_form(state_dict)
         if self._terminated:
             logger.info(
                 "TorchAsyncCheckpoint.async_save after close or finalize_async_save("

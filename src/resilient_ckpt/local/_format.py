@@ -40,6 +40,7 @@ import torch
 
 from .. import _restricted_pickle
 from .._checksum import CrcPipe, crc32
+from ..async_ckpt._staging import StagingPart, StagingSource
 from ..errors import CheckpointingException, CorruptCheckpointError
 from . import _nvrx_format
 from ._verified_read import (  # re-exported: verified reading lives in ._verified_read
@@ -79,14 +80,28 @@ def header_of(body: bytes) -> bytes:
 
 
 @dataclass
-class ShardLayout:
+class ShardLayout(StagingSource):
     """A shard ready to be written: its header bytes and the tensors, in order, each at its
-    offset in the data section (made by :func:`._shard_cache.plan_shard`)."""
+    offset in the data section (made by :func:`._shard_cache.plan_shard`). ``plan``: the
+    generation of the plan cache entry it was made from, if any (the tensors are then
+    described as at every save of that generation).
+
+    An async save stages it as explicit data: the tensors, and the rest to rebuild it."""
 
     header: bytes
     tensors: list[torch.Tensor]
     offsets: list[int]
     data_bytes: int
+    plan: int | None = None
+
+    def staging_part(self) -> StagingPart:
+        return StagingPart(
+            _rebuild_layout,
+            (self.header, self.offsets, self.data_bytes),
+            self.tensors,
+            self.plan,
+            self.plan is not None,
+        )
 
     @property
     def data_start(self) -> int:
@@ -95,6 +110,12 @@ class ShardLayout:
     @property
     def size(self) -> int:
         return self.data_start + self.data_bytes
+
+
+def _rebuild_layout(
+    header: bytes, offsets: list[int], data_bytes: int, tensors: list[torch.Tensor]
+) -> ShardLayout:
+    return ShardLayout(header, tensors, offsets, data_bytes)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

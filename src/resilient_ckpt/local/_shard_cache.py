@@ -50,7 +50,6 @@ from typing import Any
 import torch
 
 from .._unpicklable import describe_unpicklable
-from ..async_ckpt._staging import TensorBatch
 from ..async_ckpt._structure import PLAIN_TENSOR_TYPES, Structure, StructureCache, walk
 from ..errors import ConfigurationError
 from ._format import ShardLayout, TensorRecord, align, header_of
@@ -92,8 +91,11 @@ class _Planned:
     loose: list[TensorPlaceholder] = field(default_factory=list)
     parts: list[Pickled | None] = field(default_factory=list)
 
-    def layout(self, header: bytes, tensors: list[torch.Tensor]) -> ShardLayout:
-        return ShardLayout(header, TensorBatch(tensors), self.offsets, self.data_bytes)
+    def layout(
+        self, header: bytes, tensors: list[torch.Tensor], memo: ShardPlanCache | None
+    ) -> ShardLayout:
+        plan = memo.kept.generation if memo is not None else None
+        return ShardLayout(header, tensors, self.offsets, self.data_bytes, plan)
 
 
 class ShardPlanCache:
@@ -131,7 +133,7 @@ def plan_shard(state: TensorAwareStateDict, memo: ShardPlanCache | None = None) 
             memo.kept.remember(structure.key, tensors, planned)
         else:  # the walk met other tensors than the build: not reused
             memo.kept.clear()
-    return planned.layout(planned.header, tensors)
+    return planned.layout(planned.header, tensors, memo)
 
 
 def _reused(
@@ -150,7 +152,7 @@ def _reused(
         memo.kept.keep_product(kept)
         memo.refreshes += 1
     memo.hits += 1
-    return kept.layout(kept.header, structure.tensors)
+    return kept.layout(kept.header, structure.tensors, memo)
 
 
 def _plain(state: BasicTensorAwareStateDict) -> Structure | None:
@@ -180,7 +182,7 @@ def _plan_popped(state: TensorAwareStateDict, memo: ShardPlanCache | None) -> Sh
         header = _header(state, state, kept.records)
     finally:
         state.insert_tensors(tensors)
-    return kept.layout(header, tensors)
+    return kept.layout(header, tensors, memo)
 
 
 def _popped_key(tensors: list[torch.Tensor]) -> tuple:
