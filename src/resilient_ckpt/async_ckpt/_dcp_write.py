@@ -134,14 +134,15 @@ def _decode(encoded: bytes) -> tuple[WriteResult, ...]:
     kind, body = pickle.loads(encoded)
     if kind == _OBJECTS:
         return tuple(body)
-    return tuple(
-        WriteResult(
-            index=MetadataIndex(fqn, offset, index),
-            size_in_bytes=size,
-            storage_data=storage_info(path, at, length, transforms or ()),
-        )
-        for fqn, offset, index, size, path, at, length, transforms in body
-    )
+    offsets: dict[tuple, torch.Size] = {}  # equal offsets one object: see share_equal_sizes
+    results = []
+    for fqn, offset, index, size, path, at, length, transforms in body:
+        key = MetadataIndex(fqn, None, index)
+        if offset is not None:
+            object.__setattr__(key, "offset", offsets.setdefault(offset, torch.Size(offset)))
+        storage = storage_info(path, at, length, transforms or ())
+        results.append(WriteResult(index=key, size_in_bytes=size, storage_data=storage))
+    return tuple(results)
 
 
 _decoded: OrderedDict[bytes, tuple[WriteResult, ...]] = OrderedDict()

@@ -50,7 +50,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
@@ -335,6 +335,7 @@ class Planning:
 
     def global_step(self, all_local_plans: list[SavePlan]) -> list[SavePlan]:
         all_local_plans, self.global_metadata = self.planner.create_global_plan(all_local_plans)
+        share_equal_sizes(self.global_metadata)
         return self.writer.prepare_global_plan(all_local_plans)
 
     def plan_centrally(self) -> SavePlan:
@@ -388,8 +389,26 @@ class Planning:
     def _metadata_of(self, all_local_plans: list[SavePlan]) -> None:
         """The coordinator's metadata of a decentralized save, from every rank's local plan."""
         _, metadata = self.planner.create_global_plan(all_local_plans)
+        share_equal_sizes(metadata)
         metadata.all_local_plans = all_local_plans  # type: ignore[attr-defined]
         self.global_metadata = metadata
+
+
+def share_equal_sizes(metadata: Metadata) -> None:
+    """Make equal ``torch.Size`` values of ``metadata``'s entries one object each (they are
+    immutable): pickle writes an object met again as a reference, so the commit record of a
+    state whose shapes repeat (a model's layers) is pickled at each save in a fraction of the
+    time. Once per plan; a value that is not a ``torch.Size`` is left as it is."""
+    shared: dict[tuple, torch.Size] = {}
+
+    def one(size: Any) -> Any:
+        return shared.setdefault(tuple(size), size) if type(size) is torch.Size else size
+
+    for entry in metadata.state_dict_metadata.values():
+        if isinstance(entry, TensorStorageMetadata):
+            entry.size = one(entry.size)
+            for chunk in entry.chunks:
+                chunk.offsets, chunk.sizes = one(chunk.offsets), one(chunk.sizes)
 
 
 def _local_attempt(planning: Planning) -> tuple[SavePlan | None, Exception | None]:
