@@ -297,7 +297,6 @@ def rebuild_parts(
 class _Explicit:
     """One staging's explicit sources: their parts, tensors and the pickle's persistent ids."""
 
-    sources: list[StagingSource]
     parts: list[StagingPart]
     tensors: list[torch.Tensor]
     ids: dict[int, int]
@@ -311,7 +310,7 @@ class _Explicit:
                 ids[id(source)] = len(unique)
                 unique.append(source)
         parts = [source.staging_part() for source in unique]
-        return cls(unique, parts, [t for part in parts for t in part.tensors], ids)
+        return cls(parts, [t for part in parts for t in part.tensors], ids)
 
     def full(self) -> _Explicit:
         """The parts with every check (for a full staging); none if a tensor cannot be
@@ -323,10 +322,10 @@ class _Explicit:
             parts = [part if part.full is None else part.full() for part in self.parts]
         tensors = [t for part in parts for t in part.tensors]
         if not all(map(_stageable, tensors)):
-            return _Explicit([], [], [], {})
+            return _Explicit([], [], {})
         if parts is self.parts:
             return self
-        return _Explicit(self.sources, parts, tensors, self.ids)
+        return _Explicit(parts, tensors, self.ids)
 
     @property
     def key(self) -> tuple:
@@ -359,10 +358,26 @@ class _Plan:
     device: DevicePlan
 
     @classmethod
-    def of(cls, obj: Any, explicit: _Explicit, what: str) -> _Plan:
-        explicit = explicit.full()
-        tensors = list(explicit.tensors)
-        skeleton = _pickle_skeleton(obj, tensors, explicit.ids, what)
+    def of(
+        cls,
+        obj: Any,
+        explicit: _Explicit,
+        what: str,
+        pickled: tuple[bytes, list[torch.Tensor]] | None = None,
+    ) -> _Plan:
+        """``pickled``: a steady save's pickle of ``obj`` with ``explicit`` (skeleton, tensors),
+        reused when it is what the checked pickle would make (every tensor stageable)."""
+        full = explicit.full()
+        if (
+            pickled is not None
+            and full is explicit
+            and all(map(_stageable, pickled[1][len(explicit.tensors) :]))
+        ):
+            skeleton, tensors = pickled
+        else:
+            tensors = list(full.tensors)
+            skeleton = _pickle_skeleton(obj, tensors, full.ids, what)
+        explicit = full
         slots = _Slots.of(tensors, len(explicit.tensors))
         pending = slots.pending
         placement = place([(p.storage.data_ptr() if p.host else None, p.nbytes) for p in pending])
@@ -429,6 +444,7 @@ def stage(
     overlapped staging.
     """
     explicit = _Explicit.of(sources or [])
+    pickled = None
     if cache is not None and cache.kept:
         tensors = list(explicit.tensors)
         skeleton = _pickle_skeleton(obj, tensors, explicit.ids, what, checked=False)
@@ -439,7 +455,8 @@ def stage(
                 return StagedRequest(payload, None, (), 0)
             arena = cache.copy(pool, wait_for_release, tensors, order=order)
             return StagedRequest(payload, arena, cache.slots, cache.total)
-    plan = _Plan.of(obj, explicit, what)
+        pickled = (skeleton, tensors)
+    plan = _Plan.of(obj, explicit, what, pickled)
     if cache is not None:
         plan.remember(cache, threads)
     if not plan.table:
