@@ -66,7 +66,12 @@ _ENV_PREFIX = "RESILIENT_CKPT_"
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Deadlines (seconds) for every wait the library makes."""
+    """Deadlines (seconds) for every wait the library makes.
+
+    ``poll_interval`` is deprecated and unused: a blocking finalize waits on the worker's
+    outcome instead of polling. It is still accepted (and validated), so code that sets it
+    keeps working.
+    """
 
     worker_start: float = 120.0
     finalize: float = 1800.0

@@ -216,11 +216,14 @@ def exchange(
     return [RankRecord(o.rank, State(o.ints[0]), o.ints[1], bool(o.ints[2])) for o in outcomes]
 
 
-@dataclass
+@dataclass(frozen=True)
 class LocalStatus:
     state: State
     error: BaseException | None = None
     timings: dict[str, float] = field(default_factory=dict)
+
+
+RUNNING = LocalStatus(State.RUNNING)
 
 
 def exit_description(exitcode: int | None) -> str:
@@ -428,9 +431,14 @@ def agree_on_call(
     or when a blocking wait passes ``timeouts.finalize``.
     """
     deadline = time.monotonic() + timeouts.finalize
+    # A blocking round first waits for this rank's own call, so a save that ends in time takes
+    # one agreement. Across ranks the wait is at most half the collective deadline: the ranks
+    # already in the agreement never wait in it past that deadline.
+    longest = timeouts.finalize if no_dist else timeouts.collective / 2
     while True:
-        if blocking and no_dist:
-            status = caller.wait_local(call_idx, max(0.0, deadline - time.monotonic()))
+        if blocking:
+            wait = max(0.0, min(deadline - time.monotonic(), longest))
+            status = caller.wait_local(call_idx, wait)
         else:
             status = caller.local_status(call_idx)
         passed = blocking and time.monotonic() >= deadline
@@ -461,8 +469,6 @@ def agree_on_call(
                 f"{timeouts.finalize:.1f}s (RESILIENT_CKPT_FINALIZE_TIMEOUT); the checkpoint "
                 "is abandoned and will not be committed"
             )
-        if not no_dist:
-            caller.wait_local(call_idx, timeouts.poll_interval)
 
 
 def _failure_of(status: LocalStatus, call_idx: int) -> BaseException | None:
@@ -600,7 +606,7 @@ class TemporalAsyncCaller(AsyncCaller):
 
     def local_status(self, call_idx: int) -> LocalStatus:
         self._settle()
-        return self._status or LocalStatus(State.RUNNING)
+        return self._status or RUNNING
 
     def wait_local(self, call_idx: int, timeout: float) -> LocalStatus:
         deadline = time.monotonic() + timeout

@@ -57,7 +57,15 @@ from ..errors import (
 )
 from . import _main_module, _reports, _worker
 from ._arena import Arena, ArenaPool
-from ._callers import AsyncCaller, AsyncRequest, LocalStatus, State, exit_description, failure_error
+from ._callers import (
+    RUNNING,
+    AsyncCaller,
+    AsyncRequest,
+    LocalStatus,
+    State,
+    exit_description,
+    failure_error,
+)
 from ._copy import DeviceOrder, check_copy_threads, make_side_streams, warm_threads
 from ._protocol import (
     AttachArena,
@@ -616,7 +624,7 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def local_status(self, call_idx: int) -> LocalStatus:
         self._drain()
-        return self._status.get(call_idx, LocalStatus(State.RUNNING))
+        return self._status.get(call_idx, RUNNING)
 
     def wait_local(self, call_idx: int, timeout: float) -> LocalStatus:
         deadline = time.monotonic() + timeout
